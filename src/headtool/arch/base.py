@@ -1,0 +1,221 @@
+"""What an architecture adapter describes: head geometry and where head-carrying tensors live.
+
+Everything that knows module names, fused layouts or config keys is an `Adapter`; the rest
+of headtool works on these descriptions only (so the same tensor math serves an in-memory
+model and a checkpoint streamed shard by shard).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+# Kinds of head-carrying slices: query, key, value projections (their output axis) and the
+# output projection (its input axis, one slice per query head).
+KINDS = ("q", "k", "v", "o")
+
+LAYOUT_KEY = "headtool_head_layout"
+
+
+@dataclass(frozen=True)
+class LayerHeads:
+    """Head geometry of one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_head_of(self, q_head: int) -> int:
+        """The KV head that query head `q_head` reads (standard contiguous grouping)."""
+        return q_head // self.group_size
+
+    def query_heads_of(self, kv_head: int) -> list[int]:
+        g = self.group_size
+        return list(range(kv_head * g, (kv_head + 1) * g))
+
+    def count(self, kind: str) -> int:
+        return self.num_heads if kind in ("q", "o") else self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class HeadTensor:
+    """One parameter tensor of a layer whose `axis` carries head slices.
+
+    `kinds` lists the projections stored in it in storage order: ("q",) for a separate
+    q_proj, ("q", "k", "v") for a fused concat (GPT-2 c_attn, Phi-3 qkv_proj), and with
+    `interleaved` the per-head [q|k|v] blocks of GPT-NeoX's query_key_value.
+    `name` is relative to the layer module (e.g. "self_attn.q_proj.weight").
+    """
+
+    name: str
+    axis: int
+    kinds: tuple[str, ...]
+    interleaved: bool = False
+    optional: bool = False  # biases: absent in some configs of the family
+
+    def positions(self, kind: str, heads: LayerHeads) -> torch.Tensor:
+        """Indices along `axis` of every head of `kind`: LongTensor [count(kind), head_dim]."""
+        hd = heads.head_dim
+        if kind not in self.kinds:
+            raise KeyError(f"{self.name} holds no {kind!r} slices")
+        if self.interleaved:
+            n = heads.num_heads
+            width = len(self.kinds) * hd
+            j = self.kinds.index(kind)
+            return torch.arange(n)[:, None] * width + j * hd + torch.arange(hd)[None, :]
+        start = 0
+        for k in self.kinds:
+            if k == kind:
+                break
+            start += heads.count(k) * hd
+        n = heads.count(kind)
+        return start + torch.arange(n * hd).view(n, hd)
+
+    def size(self, heads: LayerHeads) -> int:
+        """Length of `axis` for this geometry."""
+        return sum(heads.count(k) for k in self.kinds) * heads.head_dim
+
+
+@dataclass(frozen=True)
+class ConfigSupport:
+    """What a family's stock config can express, so outputs can stay standard."""
+
+    kv_heads: bool  # has num_key_value_heads
+    explicit_head_dim: bool  # head_dim is a config field the modeling code reads
+    # stock config/model accept num_heads * head_dim != hidden_size
+    heads_need_not_divide_hidden: bool
+
+
+@dataclass
+class Adapter:
+    """Per-family knowledge; instances live in `headtool.arch.registry`."""
+
+    family: str
+    model_types: tuple[str, ...]
+    layers_path: str  # relative to the base model, e.g. "layers", "encoder.layer", "h"
+    o_proj: str  # module (relative to a layer) whose input is the concatenated heads
+    tensors: tuple[HeadTensor, ...]
+    support: ConfigSupport
+    heads_key: str = "num_attention_heads"
+    kv_heads_key: str | None = None
+    layers_key: str = "num_hidden_layers"
+    hidden_key: str = "hidden_size"
+    head_dim_key: str | None = None
+    conv1d: bool = False  # weights stored transposed (GPT-2 Conv1D): q/k/v heads on axis 1
+    rotary: bool = False
+    qk_norm: tuple[str, ...] = ()  # per-head-dim norm weights shared by all heads (kept as is)
+    attention: str = "self_attn"  # attention module relative to a layer
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- geometry
+    def num_layers(self, config) -> int:
+        return int(getattr(config, self.layers_key))
+
+    def base_head_dim(self, config) -> int:
+        if self.head_dim_key and getattr(config, self.head_dim_key, None):
+            return int(getattr(config, self.head_dim_key))
+        return int(getattr(config, self.hidden_key)) // int(getattr(config, self.heads_key))
+
+    def geometry(self, config) -> list[LayerHeads]:
+        """Per-layer head geometry; honours headtool's per-layer table for pruned models."""
+        n_layers = self.num_layers(config)
+        layout = getattr(config, LAYOUT_KEY, None)
+        if layout:
+            hd = int(layout["head_dim"])
+            return [
+                LayerHeads(int(q), int(kv), hd)
+                for q, kv in zip(layout["num_heads"], layout["num_kv_heads"])
+            ]
+        nq = int(getattr(config, self.heads_key))
+        nkv = nq
+        if self.kv_heads_key and getattr(config, self.kv_heads_key, None):
+            nkv = int(getattr(config, self.kv_heads_key))
+        hd = self.base_head_dim(config)
+        return [LayerHeads(nq, nkv, hd) for _ in range(n_layers)]
+
+    def hidden_size(self, config) -> int:
+        return int(getattr(config, self.hidden_key))
+
+    # ---------------------------------------------------------------- modules
+    def base_model(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "base_model", model)
+
+    def base_prefix(self, model: nn.Module) -> str:
+        """State-dict prefix of the base model inside `model` ('' or e.g. 'model.')."""
+        base = self.base_model(model)
+        for name, mod in model.named_modules():
+            if mod is base:
+                return f"{name}." if name else ""
+        return ""
+
+    def layer_module(self, model: nn.Module, i: int) -> nn.Module:
+        return self.base_model(model).get_submodule(f"{self.layers_path}.{i}")
+
+    def o_proj_module(self, model: nn.Module, i: int) -> nn.Module:
+        return self.layer_module(model, i).get_submodule(self.o_proj)
+
+    def attention_module(self, model: nn.Module, i: int) -> nn.Module:
+        return self.layer_module(model, i).get_submodule(self.attention)
+
+    def layer_prefix(self, model: nn.Module, i: int) -> str:
+        """Full state-dict prefix of layer i, e.g. 'model.layers.3.'."""
+        return f"{self.base_prefix(model)}{self.layers_path}.{i}."
+
+    def layer_prefix_in_keys(self, keys: Iterable[str], i: int) -> str:
+        """Prefix of layer i among checkpoint keys (for streaming, without a model)."""
+        probe = f"{self.layers_path}.{i}.{self.tensors[0].name}"
+        for k in keys:
+            if k.endswith(probe):
+                return k[: -len(self.tensors[0].name)]
+        raise KeyError(f"no weights for layer {i} ({probe})")
+
+    def qkv_axis(self) -> int:
+        return 1 if self.conv1d else 0
+
+    def o_axis(self) -> int:
+        return 0 if self.conv1d else 1
+
+    # ---------------------------------------------------------------- config
+    def can_write_standard_config(self, config, geometry: list[LayerHeads]) -> bool:
+        """True when `geometry` is expressible by the family's stock config fields."""
+        first = geometry[0]
+        if any(g != first for g in geometry):
+            return False
+        if first.num_heads % first.num_kv_heads:
+            return False
+        if not self.support.kv_heads and first.num_kv_heads != first.num_heads:
+            return False
+        base_hd = self.base_head_dim(config)
+        if first.head_dim != base_hd:
+            return False
+        if first.num_heads * first.head_dim != self.hidden_size(config):
+            if not (self.support.explicit_head_dim and self.support.heads_need_not_divide_hidden):
+                return False
+        return True
+
+    def set_standard_heads(self, config, heads: LayerHeads) -> None:
+        """Write a uniform head geometry into `config` in the family's own keys."""
+        if self.head_dim_key:
+            setattr(config, self.head_dim_key, heads.head_dim)
+        setattr(config, self.heads_key, heads.num_heads)
+        if self.kv_heads_key:
+            setattr(config, self.kv_heads_key, heads.num_kv_heads)
+        if hasattr(config, LAYOUT_KEY):
+            delattr(config, LAYOUT_KEY)
+
+    def config_keys(self) -> dict[str, str | None]:
+        return {
+            "num_heads": self.heads_key,
+            "num_kv_heads": self.kv_heads_key,
+            "head_dim": self.head_dim_key,
+            "num_layers": self.layers_key,
+            "hidden_size": self.hidden_key,
+        }

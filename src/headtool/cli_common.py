@@ -1,0 +1,115 @@
+"""Options that many commands share, declared once and injected into command signatures.
+
+Typer reads a command's options from its signature; the decorators below add the model-loading
+and data options to a command and hand it one `LoadOptions` / `DataSpec` object instead,
+so every command spells them the same way and none repeats the list.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+
+MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
+              "(smollm2-135m, all-minilm-l6-v2) or a hub id")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code}
+
+
+_MODEL_PARAMS = [
+    inspect.Parameter("dtype", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=Annotated[
+        str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16", rich_help_panel="Model")]),
+    inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=Annotated[
+        str, typer.Option("--device", help="auto | cpu | cuda | mps", rich_help_panel="Model")]),
+    inspect.Parameter("trust_remote_code", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+        bool, typer.Option("--trust-remote-code", help="run the model's own code (off by default)",
+                           rich_help_panel="Model")]),
+]
+
+
+def _data_params(required: bool, default_source: str | None) -> list[inspect.Parameter]:
+    P, K = inspect.Parameter, inspect.Parameter.KEYWORD_ONLY
+    panel = "Data"
+    data_default = ... if required else default_source
+    return [
+        P("data", K, default=data_default, annotation=Annotated[Optional[str], typer.Option(
+            "--data", help="text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk folder, "
+            "hub name[:config], '-' for stdin, or builtin:pydoc", rich_help_panel=panel)]),
+        P("split", K, default=None, annotation=Annotated[Optional[str], typer.Option(
+            "--split", help="dataset split (hub / save_to_disk)", rich_help_panel=panel)]),
+        P("text_column", K, default=None, annotation=Annotated[Optional[str], typer.Option(
+            "--text-column", help="text column (auto-detected when obvious)", rich_help_panel=panel)]),
+        P("label_column", K, default=None, annotation=Annotated[Optional[str], typer.Option(
+            "--label-column", help="label column: switches to classification", rich_help_panel=panel)]),
+        P("seq_len", K, default=128, annotation=Annotated[int, typer.Option(
+            "--seq-len", help="tokens per block", rich_help_panel=panel)]),
+        P("batch_size", K, default=4, annotation=Annotated[int, typer.Option(
+            "--batch-size", help="blocks per batch", rich_help_panel=panel)]),
+        P("max_samples", K, default=None, annotation=Annotated[Optional[int], typer.Option(
+            "--max-samples", help="number of blocks (or examples) to use", rich_help_panel=panel)]),
+        P("num_tokens", K, default=None, annotation=Annotated[Optional[int], typer.Option(
+            "--num-tokens", help="cap the data at about this many tokens", rich_help_panel=panel)]),
+        P("seed", K, default=0, annotation=Annotated[int, typer.Option(
+            "--seed", help="seed for sampling and masking", rich_help_panel=panel)]),
+    ]
+
+
+_DATA_NAMES = ("data", "split", "text_column", "label_column", "seq_len", "batch_size", "max_samples",
+               "num_tokens", "seed")
+
+
+def _inject(fn: Callable, extra: list[inspect.Parameter], pack: Callable[[dict], dict]) -> Callable:
+    sig = inspect.signature(fn, eval_str=True)  # resolve string annotations in fn's module
+    params = [p for p in sig.parameters.values()]
+    names = {p.name for p in params}
+    new = params + [p for p in extra if p.name not in names]
+    extra_names = {p.name for p in extra} - names
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        taken = {n: kwargs.pop(n) for n in list(kwargs) if n in extra_names}
+        kwargs.update(pack(taken))
+        return fn(*args, **kwargs)
+
+    # keep the packed parameter out of the CLI signature
+    wrapper.__signature__ = sig.replace(parameters=[p for p in new if p.name not in ("load", "data_spec")])
+    return wrapper
+
+
+def model_options(fn: Callable) -> Callable:
+    """Add --dtype/--device/--trust-remote-code; the command receives `load: LoadOptions`."""
+    return _inject(fn, _MODEL_PARAMS, lambda t: {"load": LoadOptions(**t)})
+
+
+def data_options(required: bool = False, default: str | None = "builtin:pydoc") -> Callable:
+    """Add the data options; the command receives `data_spec: DataSpec | None`."""
+
+    def deco(fn: Callable) -> Callable:
+        def pack(t: dict) -> dict:
+            from .data import DataSpec
+
+            if t.get("data") is None:
+                return {"data_spec": None}
+            return {"data_spec": DataSpec(source=t["data"], split=t["split"], text_column=t["text_column"],
+                                          label_column=t["label_column"], seq_len=t["seq_len"],
+                                          batch_size=t["batch_size"], max_samples=t["max_samples"],
+                                          num_tokens=t["num_tokens"], seed=t["seed"])}
+
+        return _inject(fn, _data_params(required, default), pack)
+
+    return deco
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]

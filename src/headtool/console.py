@@ -1,0 +1,97 @@
+"""Where output goes: results to stdout (plain), everything for people to stderr through rich.
+
+No colour or progress codes ever reach stdout; NO_COLOR is respected; progress bars are shown
+only when stderr is a terminal.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+_err: Console | None = None
+
+
+def err_console() -> Console:
+    global _err
+    if _err is None:
+        _err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None,
+                       highlight=False, soft_wrap=False)
+    return _err
+
+
+def reset_consoles() -> None:
+    """Forget the cached console (tests swap stderr)."""
+    global _err
+    _err = None
+
+
+def quiet() -> bool:
+    return bool(os.environ.get("HEADTOOL_QUIET"))
+
+
+def info(msg: str) -> None:
+    if not quiet():
+        err_console().print(msg)
+
+
+def warn(msg: str) -> None:
+    err_console().print(f"[yellow]warning:[/yellow] {msg}")
+
+
+def print_json(obj: Any, stream=None) -> None:
+    """One JSON document on stdout (never coloured)."""
+    stream = stream or sys.stdout
+    stream.write(json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n")
+    stream.flush()
+
+
+def _json_default(o: Any):
+    try:
+        import torch
+
+        if isinstance(o, torch.Tensor):
+            return o.tolist()
+        if isinstance(o, torch.dtype):
+            return str(o).replace("torch.", "")
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(o, "__fspath__"):
+        return os.fspath(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def show_progress() -> bool:
+    c = err_console()
+    return c.is_terminal and not quiet() and not os.environ.get("HEADTOOL_NO_PROGRESS")
+
+
+class _NullProgress:
+    def add_task(self, *a, **k) -> int:
+        return 0
+
+    def update(self, *a, **k) -> None:
+        pass
+
+    def advance(self, *a, **k) -> None:
+        pass
+
+
+@contextmanager
+def progress(description: str = "") -> Iterator[Any]:
+    """A rich progress display on stderr when it is a terminal, else a silent stand-in."""
+    if not show_progress():
+        yield _NullProgress()
+        return
+    p = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=err_console(), transient=True,
+    )
+    with p:
+        yield p

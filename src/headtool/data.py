@@ -1,0 +1,880 @@
+"""Datasets -> token batches.
+
+Every command that needs data (score, eval, inspect, heal, prune with compensation)
+goes through :func:`make_batches`, so that one ``--data`` reference means the same
+tokens everywhere and the same options always give byte-identical batches (scores
+are reproducible only if their data is).
+
+Sources (``DataSpec.source``): a local ``.txt``, ``.jsonl``, ``.json``, ``.csv``,
+``.tsv`` or ``.parquet`` file, a folder written by ``datasets.save_to_disk``, ``-``
+(text on stdin), ``builtin:pydoc`` (the help texts that ship inside every Python:
+the default calibration corpus, nothing to download) or a hub dataset
+``name[:config]``.
+
+Selection is prefix-stable: blocks (or examples) are ordered by a seeded shuffle
+that does not depend on ``max_samples`` or ``skip_samples``, so
+``skip_samples=N`` with the same seed always gives data disjoint from the first N.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .errors import UsageError
+
+__all__ = [
+    "DataSpec",
+    "Batches",
+    "load_texts",
+    "make_batches",
+    "TASKS",
+    "SUPPORTED_SUFFIXES",
+    "BUILTIN_SOURCES",
+]
+
+log = logging.getLogger(__name__)
+
+TASKS = ("lm", "mlm", "classification", "plain")
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")
+BUILTIN_SOURCES = ("builtin:pydoc",)
+
+#: Column names taken as the text column without asking (first match wins).
+TEXT_COLUMN_NAMES = (
+    "text",
+    "content",
+    "sentence",
+    "document",
+    "review",
+    "passage",
+    "body",
+    "article",
+    "sentence1",
+)
+
+#: Blocks are shuffled within consecutive chunks of about this many tokens. The
+#: chunking keeps selection independent of max/skip (so held-out data stays
+#: disjoint) while only tokenizing the first chunk(s) of a large corpus.
+CHUNK_TOKENS = 1 << 20
+
+MLM_PROBABILITY = 0.15
+_TOKENIZE_BATCH_CHARS = 200_000
+_TRUE = {"1", "true", "yes", "on"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+_FILE_LIKE_SUFFIX = re.compile(r"^\.[A-Za-z][A-Za-z0-9]{0,5}$")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What data to use and how to cut it; recorded in every JSON output via ``Batches.info``."""
+
+    source: str = "builtin:pydoc"
+    split: str | None = None
+    text_column: str | None = None
+    label_column: str | None = None
+    seq_len: int = 128
+    batch_size: int = 4
+    max_samples: int | None = None
+    num_tokens: int | None = None
+    seed: int = 0
+    skip_samples: int = 0
+
+
+@dataclass
+class Batches:
+    """Token batches plus a JSON-ready description of where they came from."""
+
+    batches: list[dict[str, torch.Tensor]]
+    info: dict = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.batches[index]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens over all batches."""
+        return int(sum(int(b["attention_mask"].sum()) for b in self.batches))
+
+
+# --------------------------------------------------------------------------- tables
+
+
+@dataclass
+class _Table:
+    """Column access over any source, so column detection is written once."""
+
+    columns: list[str]
+    get: Callable[[str], list]
+    string_columns: list[str]
+    class_names: dict[str, list[str]] = field(default_factory=dict)
+    split: str | None = None
+
+
+@dataclass
+class _Loaded:
+    texts: list[str]
+    labels: list | None
+    label_names: list[str] | None
+    split: str | None
+    text_column: str | None
+    label_column: str | None
+
+
+def _texts_table(texts: list[str]) -> _Table:
+    return _Table(columns=["text"], get=lambda c: texts, string_columns=["text"])
+
+
+def _records_table(rows: list, where: str, split: str | None = None) -> _Table:
+    """Rows from JSON/JSONL: dicts (columns = keys) or bare strings (one 'text' column)."""
+    if not rows:
+        raise UsageError(f"no records in {where}")
+    if all(isinstance(r, str) for r in rows):
+        return _Table(["text"], lambda c: rows, ["text"], split=split)
+    if not all(isinstance(r, dict) for r in rows):
+        bad = next(r for r in rows if not isinstance(r, (dict, str)))
+        raise UsageError(
+            f"{where} must hold objects (one per example) or strings, found {type(bad).__name__}"
+        )
+    columns: list[str] = []
+    seen: set[str] = set()
+    for r in rows:
+        if isinstance(r, dict):
+            for k in r:
+                if k not in seen:
+                    seen.add(k)
+                    columns.append(k)
+
+    def get(col: str) -> list:
+        return [r.get(col) if isinstance(r, dict) else None for r in rows]
+
+    strings = []
+    for c in columns:
+        values = [v for v in (r.get(c) for r in rows[:200] if isinstance(r, dict)) if v is not None]
+        if values and all(isinstance(v, str) for v in values):
+            strings.append(c)
+    return _Table(columns, get, strings, split=split)
+
+
+def _arrow_table(table: Any, split: str | None = None) -> _Table:
+    import pyarrow as pa
+
+    def is_str(t: Any) -> bool:
+        return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+            hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t)
+        )
+
+    cols = list(table.column_names)
+    strings = [c for c in cols if is_str(table.schema.field(c).type)]
+    return _Table(cols, lambda c: table.column(c).to_pylist(), strings, split=split)
+
+
+def _dataset_table(ds: Any, split: str | None) -> _Table:
+    from datasets import ClassLabel, Value
+
+    cols = list(ds.column_names)
+    strings, names = [], {}
+    for c in cols:
+        f = ds.features[c]
+        if isinstance(f, Value) and f.dtype in ("string", "large_string", "string_view"):
+            strings.append(c)
+        elif isinstance(f, ClassLabel):
+            names[c] = list(f.names)
+    return _Table(cols, lambda c: list(ds[c]), strings, names, split=split)
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _read_text_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path} as UTF-8 text; convert it to UTF-8") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _read_stdin() -> str:
+    stdin = sys.stdin
+    if stdin is None:
+        raise UsageError("--data - reads text from stdin, but there is no stdin")
+    try:
+        if stdin.isatty():
+            raise UsageError("--data - reads text from stdin, but stdin is a terminal; pipe text in")
+    except (AttributeError, ValueError):
+        pass
+    try:
+        return stdin.read()
+    except UnicodeDecodeError:
+        raise UsageError("cannot read stdin as UTF-8 text; convert it to UTF-8") from None
+
+
+def _read_jsonl(text: str, where: str) -> list:
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where} line {n} is not valid JSON: {e.msg}") from None
+    return rows
+
+
+def _read_json(path: Path, split: str | None) -> _Table:
+    text = _read_text_file(path)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        # A .json file is often JSON lines in disguise (what datasets' json loader accepts too).
+        if text.lstrip().startswith("{") and "\n" in text.strip():
+            try:
+                return _records_table(_read_jsonl(text, str(path)), str(path))
+            except UsageError:
+                pass
+        raise UsageError(f"{path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if isinstance(obj, list):
+        return _records_table(obj, str(path))
+    if isinstance(obj, str):
+        return _texts_table([obj])
+    if not isinstance(obj, dict):
+        raise UsageError(f"{path} must hold a list of objects or an object with a list")
+    lists = {k: v for k, v in obj.items() if isinstance(v, list)}
+    row_lists = {k: v for k, v in lists.items() if v and all(isinstance(r, (dict, str)) for r in v)}
+    if split is not None:
+        if split not in row_lists:
+            avail = ", ".join(row_lists) or "none"
+            raise UsageError(f"split '{split}' not found in {path}; lists there: {avail}")
+        return _records_table(row_lists[split], f"{path} [{split}]", split=split)
+    if len(row_lists) == 1:
+        key = next(iter(row_lists))
+        return _records_table(row_lists[key], f"{path} [{key}]")
+    if len(row_lists) > 1:
+        for key in ("train", "data", "rows", "examples", "records"):
+            if key in row_lists:
+                return _records_table(row_lists[key], f"{path} [{key}]", split=key)
+        raise UsageError(
+            f"{path} holds several lists ({', '.join(row_lists)}); pass --split to choose one"
+        )
+    # Column-oriented: {"text": [...], "label": [...]} with lists of equal length.
+    if lists and len({len(v) for v in lists.values()}) == 1 and next(iter(lists.values())):
+        n = len(next(iter(lists.values())))
+        rows = [{k: v[i] for k, v in lists.items()} for i in range(n)]
+        return _records_table(rows, str(path))
+    if lists:
+        raise UsageError(f"{path}: the lists in this object have different lengths")
+    return _records_table([obj], str(path))
+
+
+def _read_csv(path: Path, delimiter: str) -> _Table:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path} as UTF-8 text; convert it to UTF-8") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    if not raw.strip():
+        raise UsageError(f"no records in {path}")
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(raw),
+            parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise UsageError(f"cannot parse {path} as CSV: {_one_line(e)}") from None
+    return _arrow_table(table)
+
+
+def _read_parquet(path: Path) -> _Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"cannot read {path} as parquet: {_one_line(e)}") from None
+    return _arrow_table(table)
+
+
+def _choose_split(splits: Sequence[str], split: str | None, where: str) -> str:
+    """The requested split, else 'train', else the only one: the same rule for hub and disk."""
+    splits = list(splits)
+    if split is not None:
+        if split not in splits:
+            raise UsageError(f"split '{split}' not found in {where}; available splits: {', '.join(splits)}")
+        return split
+    if "train" in splits:
+        return "train"
+    if len(splits) == 1:
+        return splits[0]
+    raise UsageError(f"{where} has several splits ({', '.join(splits)}); pass --split to choose one")
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> _Table:
+    if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        raise UsageError(
+            f"folder {path} is not a datasets.save_to_disk folder (no dataset_dict.json or state.json)"
+        )
+    try:
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # corrupt folders raise anything from FileNotFoundError to ArrowInvalid
+        raise UsageError(f"cannot load dataset folder {path}: {_one_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        chosen = _choose_split(list(ds.keys()), split, str(path))
+        return _dataset_table(ds[chosen], chosen)
+    return _dataset_table(ds, None)
+
+
+def _env_offline() -> bool:
+    return any(
+        os.environ.get(k, "").strip().lower() in _TRUE
+        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+class _ForcedOffline:
+    """Make datasets/huggingface_hub honour offline env vars set after they were imported.
+
+    Both libraries read the variables at import time; a variable set later (a test's
+    monkeypatch, a long-lived process) would otherwise be ignored and a lookup could
+    go to the network. Cached datasets still load.
+    """
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "_ForcedOffline":
+        if not self.active:
+            return self
+        import datasets.config as dconf
+        import huggingface_hub.constants as hconst
+
+        for mod, name in ((dconf, "HF_HUB_OFFLINE"), (dconf, "HF_DATASETS_OFFLINE"), (hconst, "HF_HUB_OFFLINE")):
+            if hasattr(mod, name):
+                self.saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mod, name, value in reversed(self.saved):
+            setattr(mod, name, value)
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    names = " ".join(type(x).__name__ for x in type(e).__mro__)
+    text = str(e).lower()
+    return (
+        isinstance(e, (ConnectionError, TimeoutError))
+        or "Connection" in names
+        or "Timeout" in names
+        or "Offline" in names
+        or "offline" in text
+        or "couldn't reach" in text
+    )
+
+
+def _read_hub(source: str, split: str | None) -> _Table:
+    name, _, config = source.partition(":")
+    chosen = split or "train"
+    offline = _env_offline()
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - datasets is a dependency
+        raise UsageError(f"loading hub datasets needs the 'datasets' package: {e}") from None
+    try:
+        with _ForcedOffline(offline):
+            ds = datasets.load_dataset(name, config or None, split=chosen)
+    except Exception as e:  # load_dataset raises many unrelated types for one cause
+        if offline or _is_connection_error(e):
+            raise UsageError(
+                f"could not load dataset '{source}' from the hub (offline?): {_one_line(e)}; "
+                "use a local file or a datasets.save_to_disk folder"
+            ) from None
+        raise UsageError(f"could not load dataset '{source}' from the hub: {_one_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):  # pragma: no cover - split is always given
+        chosen = _choose_split(list(ds.keys()), split, source)
+        ds = ds[chosen]
+    return _dataset_table(ds, chosen)
+
+
+def _pydoc_texts() -> list[str]:
+    """The pydoc topic help texts, in sorted key order (stable for a given Python)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - stripped Python builds
+        raise UsageError("builtin:pydoc needs pydoc_data, which this Python lacks; use another --data") from None
+    return [topics[k] for k in sorted(topics)]
+
+
+def _looks_like_path(source: str) -> bool:
+    """Heuristic: a reference that can only be meant as a local file (vs. a hub id)."""
+    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
+        return True
+    name = source.split(":", 1)[0]  # 'wikimedia/wikipedia:20231101.en' is a hub id
+    suffix = Path(name).suffix
+    return suffix.lower() in SUPPORTED_SUFFIXES or bool(_FILE_LIKE_SUFFIX.match(suffix))
+
+
+def _open_table(spec: DataSpec) -> _Table:
+    """Dispatch on the kind of source."""
+    source = spec.source
+    if not isinstance(source, str) or not source.strip():
+        raise UsageError("no data given; pass --data (a file, a folder, '-', builtin:pydoc or a hub name)")
+    if source == "-":
+        return _texts_table([_read_stdin()])
+    if source.startswith("builtin:"):
+        if source == "builtin:pydoc":
+            return _texts_table(_pydoc_texts())
+        raise UsageError(f"unknown builtin data '{source}'; available: {', '.join(BUILTIN_SOURCES)}")
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return _read_saved_dataset(path, spec.split)
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            return _texts_table([_read_text_file(path)])
+        if suffix == ".jsonl":
+            return _records_table(_read_jsonl(_read_text_file(path), str(path)), str(path))
+        if suffix == ".json":
+            return _read_json(path, spec.split)
+        if suffix == ".csv":
+            return _read_csv(path, ",")
+        if suffix == ".tsv":
+            return _read_csv(path, "\t")
+        if suffix == ".parquet":
+            return _read_parquet(path)
+        raise UsageError(
+            f"unsupported data file type '{path.suffix or '(none)'}' for {path}; supported: "
+            f"{', '.join(SUPPORTED_SUFFIXES)}, a datasets.save_to_disk folder, '-' (stdin), "
+            "builtin:pydoc, or a hub dataset name[:config]"
+        )
+    if _looks_like_path(source):
+        raise UsageError(f"data file not found: {source}")
+    if _HUB_ID.match(source.split(":", 1)[0]) and source.count(":") <= 1:
+        return _read_hub(source, spec.split)
+    raise UsageError(f"data file not found: {source} (and it is not a hub dataset name[:config])")
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def _choose_text_column(table: _Table, wanted: str | None, label: str | None, where: str) -> str:
+    if wanted is not None:
+        if wanted not in table.columns:
+            raise UsageError(
+                f"column '{wanted}' not found in {where}; available columns: {', '.join(table.columns)}"
+            )
+        return wanted
+    candidates = [c for c in table.string_columns if c != label]
+    lower = {c.lower(): c for c in candidates}
+    for name in TEXT_COLUMN_NAMES:
+        if name in lower:
+            return lower[name]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise UsageError(
+        f"cannot tell which column of {where} holds the text (columns: {', '.join(table.columns) or 'none'}); "
+        "pass --text-column"
+    )
+
+
+def _load(spec: DataSpec, want_labels: bool) -> _Loaded:
+    table = _open_table(spec)
+    where = spec.source if spec.source != "-" else "stdin"
+    label_col = spec.label_column if want_labels else None
+    if label_col is not None and label_col not in table.columns:
+        raise UsageError(
+            f"label column '{label_col}' not found in {where}; available columns: {', '.join(table.columns)}"
+        )
+    text_col = _choose_text_column(table, spec.text_column, label_col, where)
+    raw = table.get(text_col)
+    texts: list[str] = []
+    for v in raw:
+        if v is None:
+            texts.append("")
+        elif isinstance(v, str):
+            texts.append(v)
+        else:
+            raise UsageError(
+                f"column '{text_col}' of {where} does not hold text (found {type(v).__name__}); "
+                f"pass --text-column (string columns: {', '.join(table.string_columns) or 'none'})"
+            )
+    labels = table.get(label_col) if label_col is not None else None
+    return _Loaded(
+        texts=texts,
+        labels=labels,
+        label_names=table.class_names.get(label_col) if label_col else None,
+        split=table.split,
+        text_column=None if _is_plain(spec) else text_col,
+        label_column=label_col,
+    )
+
+
+def _is_plain(spec: DataSpec) -> bool:
+    """Sources without columns (txt, stdin, builtin): no text column to record."""
+    s = spec.source
+    return s == "-" or s.startswith("builtin:") or s.lower().endswith(".txt")
+
+
+def load_texts(spec: DataSpec) -> tuple[list[str], list | None]:
+    """Texts (and labels if ``spec.label_column``) from any source.
+
+    A ``.txt`` file and stdin give one text each; ``builtin:pydoc`` one per help topic;
+    tables one per row (missing text -> ""). Labels are returned raw (not mapped to ids).
+    """
+    loaded = _load(spec, want_labels=spec.label_column is not None)
+    return loaded.texts, loaded.labels
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _validate(spec: DataSpec, task: str, tokenizer: Any) -> None:
+    if task not in TASKS:
+        raise UsageError(f"unknown data task '{task}'; use one of: {', '.join(TASKS)}")
+    if tokenizer is None or not callable(tokenizer):
+        raise UsageError("a tokenizer is needed to make token batches")
+    if not isinstance(spec.seq_len, int) or spec.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2 (got {spec.seq_len})")
+    if not isinstance(spec.batch_size, int) or spec.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {spec.batch_size})")
+    if spec.max_samples is not None and spec.max_samples < 1:
+        raise UsageError(f"--max-samples must be at least 1 (got {spec.max_samples})")
+    if spec.num_tokens is not None and spec.num_tokens < 1:
+        raise UsageError(f"--num-tokens must be at least 1 (got {spec.num_tokens})")
+    if spec.num_tokens is not None and spec.num_tokens < spec.seq_len:
+        raise UsageError(
+            f"--num-tokens {spec.num_tokens} is less than one block of --seq-len {spec.seq_len}; "
+            "raise --num-tokens or lower --seq-len"
+        )
+    if spec.skip_samples < 0:
+        raise UsageError(f"--skip-samples must be 0 or more (got {spec.skip_samples})")
+    mml = getattr(tokenizer, "model_max_length", None)
+    if isinstance(mml, int) and 0 < mml < 1_000_000 and spec.seq_len > mml:
+        raise UsageError(
+            f"--seq-len {spec.seq_len} is longer than the tokenizer's maximum length {mml}; use --seq-len {mml} or less"
+        )
+
+
+def _sample_cap(spec: DataSpec) -> int | None:
+    """max_samples, num_tokens // seq_len, or the smaller of the two when both are given."""
+    caps = []
+    if spec.max_samples is not None:
+        caps.append(spec.max_samples)
+    if spec.num_tokens is not None:
+        caps.append(spec.num_tokens // spec.seq_len)
+    return min(caps) if caps else None
+
+
+def _order(n: int, chunk: int, seed: int) -> torch.Tensor:
+    """Seeded order of n items, shuffled within consecutive chunks of `chunk`.
+
+    Chunk k's permutation depends only on (seed, chunk sizes before k), which are all
+    full: the order of the first m chunks is the same however far the corpus was read.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    parts = [torch.randperm(min(chunk, n - s), generator=g) + s for s in range(0, n, chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _select(n: int, chunk: int, spec: DataSpec, cap: int | None, what: str) -> tuple[torch.Tensor, str]:
+    """Indices (in corpus order) of the chosen items and how they were chosen."""
+    if cap is None and spec.skip_samples == 0:
+        return torch.arange(n), "sequential"
+    order = _order(n, chunk, spec.seed)
+    stop = None if cap is None else spec.skip_samples + cap
+    chosen = order[spec.skip_samples : stop]
+    if chosen.numel() == 0:
+        raise UsageError(
+            f"--skip-samples {spec.skip_samples} leaves no data: there are only {n} {what}; "
+            "lower --skip-samples (or --seq-len)"
+        )
+    if cap is not None and chosen.numel() < cap:
+        log.warning("asked for %d %s but only %d are available; using %d", cap, what, chosen.numel(), chosen.numel())
+    return torch.sort(chosen).values, "shuffled"
+
+
+def _separator_id(tokenizer: Any) -> int | None:
+    for attr in ("eos_token_id", "sep_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _encoder_wrap(tokenizer: Any, task: str) -> tuple[int, int] | None:
+    if task not in ("mlm", "plain"):
+        return None
+    cls, sep = getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "sep_token_id", None)
+    if isinstance(cls, int) and isinstance(sep, int):
+        return cls, sep
+    return None
+
+
+def _tokenize(tokenizer: Any, texts: list[str], **kw: Any) -> list[list[int]]:
+    enc = tokenizer(texts, verbose=False, **kw)
+    return [list(x) for x in enc["input_ids"]]
+
+
+def _token_stream(
+    tokenizer: Any, texts: list[str], block: int, target_blocks: int | None
+) -> tuple[list[int], bool]:
+    """Tokens of the texts joined by the separator; stops once target_blocks are there.
+
+    Returns (stream, exhausted): exhausted is False when reading stopped early.
+    """
+    sep = _separator_id(tokenizer)
+    stream: list[int] = []
+    i, n = 0, len(texts)
+    while i < n:
+        j, chars = i, 0
+        while j < n and (j == i or chars + len(texts[j]) <= _TOKENIZE_BATCH_CHARS):
+            chars += len(texts[j])
+            j += 1
+        batch = [t for t in texts[i:j] if t.strip()]
+        i = j
+        if not batch:
+            continue
+        for ids in _tokenize(tokenizer, batch, add_special_tokens=False):
+            if not ids:
+                continue
+            if stream and sep is not None:
+                stream.append(sep)
+            stream.extend(ids)
+        if target_blocks is not None and len(stream) // block >= target_blocks and i < n:
+            return stream, False
+    return stream, True
+
+
+def _fingerprint(batches: list[dict[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        for k in sorted(b):
+            h.update(k.encode())
+            h.update(b[k].contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _split_batches(tensors: dict[str, torch.Tensor], batch_size: int) -> list[dict[str, torch.Tensor]]:
+    n = next(iter(tensors.values())).shape[0]
+    return [{k: v[s : s + batch_size].clone() for k, v in tensors.items()} for s in range(0, n, batch_size)]
+
+
+def _mask_tokens(ids: torch.Tensor, tokenizer: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT-style masking: 15% of non-special positions; of those 80% [MASK], 10% random, 10% kept.
+
+    Every row with a maskable position gets at least one masked position, so no batch
+    has an undefined (all -100) loss.
+    """
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if not isinstance(mask_id, int):
+        raise UsageError("masked-LM data needs a tokenizer with a mask token; this tokenizer has none")
+    special_ids = sorted({int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None})
+    special = torch.isin(ids, torch.tensor(special_ids, dtype=ids.dtype)) if special_ids else torch.zeros_like(ids, dtype=torch.bool)
+    g = torch.Generator().manual_seed(int(seed))
+    maskable = ~special
+    masked = (torch.rand(ids.shape, generator=g) < MLM_PROBABILITY) & maskable
+    pick = torch.rand(ids.shape, generator=g).masked_fill(~maskable, -1.0).argmax(dim=1)
+    need = ~masked.any(dim=1) & maskable.any(dim=1)
+    masked[need, pick[need]] = True
+    how = torch.rand(ids.shape, generator=g)
+    vocab = len(tokenizer)
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    allowed[[i for i in special_ids if 0 <= i < vocab]] = False
+    allowed_ids = allowed.nonzero().squeeze(1)
+    random_ids = allowed_ids[torch.randint(len(allowed_ids), ids.shape, generator=g)]
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    out = ids.clone()
+    out[masked & (how < 0.8)] = mask_id
+    rnd = masked & (how >= 0.8) & (how < 0.9)
+    out[rnd] = random_ids[rnd]
+    return out, labels
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _base_info(spec: DataSpec, task: str, split: str | None) -> dict:
+    info: dict = {"source": spec.source, "split": split, "seq_len": spec.seq_len, "seed": spec.seed, "task": task}
+    if spec.source.startswith("builtin:"):
+        info["source_version"] = "python " + ".".join(map(str, sys.version_info[:3]))
+    return info
+
+
+def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
+    loaded = _load(spec, want_labels=False)
+    where = spec.source if spec.source != "-" else "stdin"
+    if not any(t.strip() for t in loaded.texts):
+        raise UsageError(f"no text found in {where}" + (f" (column '{loaded.text_column}')" if loaded.text_column else ""))
+    wrap = _encoder_wrap(tokenizer, task)
+    block = spec.seq_len - 2 if wrap else spec.seq_len
+    if block < 1:
+        raise UsageError(f"--seq-len must be at least 3 for encoder inputs ([CLS] text [SEP]); got {spec.seq_len}")
+    cap = _sample_cap(spec)
+    chunk = max(1, CHUNK_TOKENS // spec.seq_len)
+    target = None if cap is None else math.ceil((spec.skip_samples + cap) / chunk) * chunk
+    stream, exhausted = _token_stream(tokenizer, loaded.texts, block, target)
+    n_blocks = len(stream) // block
+    if not exhausted:  # keep whole chunks only, so the order matches a full read
+        n_blocks = min(n_blocks, target or n_blocks)
+    if n_blocks == 0:
+        extra = 2 if wrap else 0
+        raise UsageError(
+            f"{where} has only {len(stream)} tokens, fewer than one block of --seq-len {spec.seq_len}; "
+            f"use --seq-len {max(2, len(stream) + extra)} or less, or more text"
+        )
+    chosen, selection = _select(n_blocks, chunk, spec, cap, f"blocks of {spec.seq_len} tokens")
+    ids = torch.tensor(stream[: n_blocks * block], dtype=torch.long).view(n_blocks, block)[chosen]
+    if wrap:
+        cls, sep = wrap
+        ids = torch.cat(
+            [torch.full((ids.shape[0], 1), cls, dtype=torch.long), ids, torch.full((ids.shape[0], 1), sep, dtype=torch.long)],
+            dim=1,
+        )
+    tensors: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    info = _base_info(spec, task, loaded.split)
+    if task == "lm":
+        tensors["labels"] = ids.clone()
+    elif task == "mlm":
+        tensors["input_ids"], tensors["labels"] = _mask_tokens(ids, tokenizer, spec.seed)
+        info["mlm_probability"] = MLM_PROBABILITY
+        info["masked_tokens"] = int((tensors["labels"] != -100).sum())
+    batches = _split_batches(tensors, spec.batch_size)
+    info.update(
+        samples=int(ids.shape[0]),
+        tokens=int(ids.numel()),
+        batch_size=spec.batch_size,
+        num_batches=len(batches),
+        skip_samples=spec.skip_samples,
+        selection=selection,
+        available_samples=n_blocks,
+        corpus_fully_read=exhausted,
+        text_column=loaded.text_column,
+        separator_token_id=_separator_id(tokenizer),
+        encoder_wrapped=bool(wrap),
+        fingerprint=_fingerprint(batches),
+    )
+    if cap is not None:
+        info["requested_samples"] = cap
+    return Batches(batches, info)
+
+
+def _label_ids(labels: list, names: list[str] | None, col: str, where: str) -> tuple[list[int], list[str] | None]:
+    """Class ids for raw labels; strings map to ids in sorted order (names recorded)."""
+    if any(v is None for v in labels):
+        n = sum(v is None for v in labels)
+        raise UsageError(f"label column '{col}' of {where} has {n} empty value(s); fill or drop them")
+    if all(isinstance(v, (bool, int)) for v in labels) or all(
+        isinstance(v, (bool, int, float)) and float(v).is_integer() for v in labels
+    ):
+        ids = [int(v) for v in labels]
+        if min(ids) < 0:
+            raise UsageError(
+                f"label column '{col}' of {where} has negative labels (an unlabelled split?); use a labelled split"
+            )
+        return ids, names
+    if any(isinstance(v, float) for v in labels) and all(isinstance(v, (int, float)) for v in labels):
+        raise UsageError(
+            f"label column '{col}' of {where} holds non-integer numbers; classification needs class labels"
+        )
+    as_str = [v if isinstance(v, str) else json.dumps(v, sort_keys=True) for v in labels]
+    names = sorted(set(as_str))
+    index = {n: i for i, n in enumerate(names)}
+    return [index[v] for v in as_str], names
+
+
+def _classification_batches(spec: DataSpec, tokenizer: Any) -> Batches:
+    if spec.label_column is None:
+        raise UsageError("classification needs a label column; pass --label-column")
+    loaded = _load(spec, want_labels=True)
+    where = spec.source if spec.source != "-" else "stdin"
+    assert loaded.labels is not None and loaded.label_column is not None
+    if not loaded.texts:
+        raise UsageError(f"no examples found in {where}")
+    label_ids, names = _label_ids(loaded.labels, loaded.label_names, loaded.label_column, where)
+    cap = _sample_cap(spec)
+    n = len(loaded.texts)
+    chosen, selection = _select(n, max(n, 1), spec, cap, "examples")
+    idx = chosen.tolist()
+    enc = _tokenize(
+        tokenizer, [loaded.texts[i] for i in idx], add_special_tokens=True, truncation=True, max_length=spec.seq_len
+    )
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if not isinstance(pad, int):
+        pad = _separator_id(tokenizer) or 0
+    left = getattr(tokenizer, "padding_side", "right") == "left"
+    ids = torch.full((len(idx), spec.seq_len), pad, dtype=torch.long)
+    att = torch.zeros((len(idx), spec.seq_len), dtype=torch.long)
+    for r, seq in enumerate(enc):
+        seq = seq[: spec.seq_len] or [pad]  # an empty text still needs one position to attend to
+        sl = slice(spec.seq_len - len(seq), spec.seq_len) if left else slice(0, len(seq))
+        ids[r, sl] = torch.tensor(seq, dtype=torch.long)
+        att[r, sl] = 1
+    labels = torch.tensor([label_ids[i] for i in idx], dtype=torch.long)
+    batches = _split_batches({"input_ids": ids, "attention_mask": att, "labels": labels}, spec.batch_size)
+    info = _base_info(spec, "classification", loaded.split)
+    num_labels = len(names) if names else max(label_ids) + 1
+    info.update(
+        samples=len(idx),
+        tokens=int(att.sum()),
+        batch_size=spec.batch_size,
+        num_batches=len(batches),
+        skip_samples=spec.skip_samples,
+        selection=selection,
+        available_samples=n,
+        text_column=loaded.text_column,
+        label_column=loaded.label_column,
+        num_labels=num_labels,
+        fingerprint=_fingerprint(batches),
+    )
+    if names is not None:
+        info["label_names"] = names
+    if cap is not None:
+        info["requested_samples"] = cap
+    return Batches(batches, info)
+
+
+def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm") -> Batches:
+    """Token batches for one task; the same spec and tokenizer always give identical tensors.
+
+    task: 'lm' (packed blocks, labels = input_ids), 'mlm' (packed, encoder-wrapped,
+    seeded 15% masking, labels -100 except masked positions), 'classification'
+    (one padded example per row, labels = class ids [B]) or 'plain' (packed, no labels).
+    """
+    _validate(spec, task, tokenizer)
+    if task == "classification":
+        return _classification_batches(spec, tokenizer)
+    if task == "mlm" and not isinstance(getattr(tokenizer, "mask_token_id", None), int):
+        raise UsageError("masked-LM data needs a tokenizer with a mask token; this tokenizer has none")
+    return _lm_batches(spec, tokenizer, task)
