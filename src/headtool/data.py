@@ -256,7 +256,13 @@ def _read_json(path: Path, split: str | None) -> _Table:
     if not isinstance(obj, dict):
         raise UsageError(f"{path} must hold a list of objects or an object with a list")
     lists = {k: v for k, v in obj.items() if isinstance(v, list)}
-    row_lists = {k: v for k, v in lists.items() if v and all(isinstance(r, (dict, str)) for r in v)}
+    # Lists of objects are row lists (e.g. one per split); a single list of strings is too.
+    # Several lists of scalars are columns ({"text": [...], "label": [...]}), handled below.
+    row_lists = {k: v for k, v in lists.items() if v and all(isinstance(r, dict) for r in v)}
+    if not row_lists and len(lists) == 1:
+        row_lists = {k: v for k, v in lists.items() if v and all(isinstance(r, str) for r in v)}
+    if split is not None and not row_lists and split in lists:
+        row_lists = {split: lists[split]}
     if split is not None:
         if split not in row_lists:
             avail = ", ".join(row_lists) or "none"
