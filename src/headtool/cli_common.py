@@ -63,11 +63,10 @@ def _data_params(required: bool, default_source: str | None) -> list[inspect.Par
             "--num-tokens", help="cap the data at about this many tokens", rich_help_panel=panel)]),
         P("seed", K, default=0, annotation=Annotated[int, typer.Option(
             "--seed", help="seed for sampling and masking", rich_help_panel=panel)]),
+        P("skip_samples", K, default=0, annotation=Annotated[int, typer.Option(
+            "--skip-samples", help="skip this many blocks first (held-out data disjoint from calibration)",
+            rich_help_panel=panel)]),
     ]
-
-
-_DATA_NAMES = ("data", "split", "text_column", "label_column", "seq_len", "batch_size", "max_samples",
-               "num_tokens", "seed")
 
 
 def _inject(fn: Callable, extra: list[inspect.Parameter], pack: Callable[[dict], dict]) -> Callable:
@@ -105,7 +104,8 @@ def data_options(required: bool = False, default: str | None = "builtin:pydoc") 
             return {"data_spec": DataSpec(source=t["data"], split=t["split"], text_column=t["text_column"],
                                           label_column=t["label_column"], seq_len=t["seq_len"],
                                           batch_size=t["batch_size"], max_samples=t["max_samples"],
-                                          num_tokens=t["num_tokens"], seed=t["seed"])}
+                                          num_tokens=t["num_tokens"], seed=t["seed"],
+                                          skip_samples=t["skip_samples"])}
 
         return _inject(fn, _data_params(required, default), pack)
 

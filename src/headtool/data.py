@@ -717,7 +717,9 @@ def _mask_tokens(ids: torch.Tensor, tokenizer: Any, seed: int) -> tuple[torch.Te
     how = torch.rand(ids.shape, generator=g)
     vocab = len(tokenizer)
     allowed = torch.ones(vocab, dtype=torch.bool)
-    allowed[[i for i in special_ids if 0 <= i < vocab]] = False
+    in_vocab = [i for i in special_ids if 0 <= i < vocab]
+    if in_vocab:
+        allowed[torch.tensor(in_vocab)] = False
     allowed_ids = allowed.nonzero().squeeze(1)
     random_ids = allowed_ids[torch.randint(len(allowed_ids), ids.shape, generator=g)]
     labels = torch.where(masked, ids, torch.full_like(ids, -100))

@@ -55,11 +55,12 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
 
 def eval_table(result: dict[str, Any]) -> Table:
     res = result["results"]
-    metric = "perplexity" if "perplexity" in res[0] else "accuracy"
+    metric = next(m for m in ("perplexity", "accuracy", "embedding_cosine") if m in res[0])
     d = result["data"]
     t = Table(title=f"headtool eval ({result['objective']}, {d.get('samples')} samples, "
                     f"{d.get('tokens')} tokens of {d.get('source')})", title_justify="left")
-    for col in ("model", "loss", "Δ loss", metric, "ratio", "params", "heads", "KV/token"):
+    loss_name = "nMSE vs first" if metric == "embedding_cosine" else "loss"
+    for col in ("model", loss_name, "Δ", metric, "ratio", "params", "heads", "KV/token"):
         t.add_column(col, justify="left" if col == "model" else "right")
     base = res[0]
     for r in res:
@@ -67,7 +68,7 @@ def eval_table(result: dict[str, Any]) -> Table:
         ratio = (r[metric] / base[metric]) if base.get(metric) else float("nan")
         t.add_row(
             r["model"], f"{r['loss']:.4f}", "" if r is base else f"{dl:+.4f}",
-            f"{r[metric]:.3f}" if metric == "perplexity" else f"{100 * r[metric]:.2f}%",
+            f"{100 * r[metric]:.2f}%" if metric == "accuracy" else f"{r[metric]:.4f}",
             "" if r is base else f"{ratio:.3f}x", human_int(r["params"]),
             f"{r['total_heads']}/{r['total_kv_heads']}", human_bytes(r["kv_cache_bytes_per_token"]),
         )

@@ -1,0 +1,200 @@
+"""Adapters, head gates, loading and `info` on tiny models of every family."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from headtool.arch import adapter_for, supported_families
+from headtool.cli import app
+from headtool.errors import UsageError
+from headtool.gates import head_gates
+from headtool.loading import load_model
+from headtool.modelinfo import model_info
+from tiny_models import ALL, FAMILIES, GQA, logits_of, sample_ids, save_tiny, tiny_model
+
+runner = CliRunner()
+
+EXPECTED_KV = {f: 4 for f in ALL} | {f: 2 for f in GQA} | {"gemma": 1}
+
+
+def _zero_head_columns(model, layer: int, head: int):
+    """Zero head `head`'s input columns of layer `layer`'s output projection, by hand."""
+    m = copy.deepcopy(model)
+    a = adapter_for(m.config)
+    hd = a.geometry(m.config)[layer].head_dim
+    w = a.o_proj_module(m, layer).weight
+    with torch.no_grad():
+        if a.conv1d:  # Conv1D stores [in, out]
+            w[head * hd:(head + 1) * hd, :] = 0
+        else:
+            w[:, head * hd:(head + 1) * hd] = 0
+    return m
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_gate_zero_equals_zeroed_columns(family):
+    model = tiny_model(family)
+    a = adapter_for(model.config)
+    ids = sample_ids(family)
+    base = logits_of(model, ids)
+    for layer, head in [(0, 1), (2, 3)]:
+        with head_gates(model, a) as gates:
+            gates.set(layer, head, 0.0)
+            gated = logits_of(model, ids)
+        zeroed = logits_of(_zero_head_columns(model, layer, head), ids)
+        assert (gated - zeroed).abs().max().item() <= 1e-5
+        assert (gated - base).abs().max().item() > 1e-2  # the head matters: the test can fail
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_gates_one_change_nothing_and_hooks_are_removed(family):
+    model = tiny_model(family)
+    a = adapter_for(model.config)
+    ids = sample_ids(family)
+    base = logits_of(model, ids)
+    with head_gates(model, a) as gates:
+        assert (logits_of(model, ids) - base).abs().max().item() == 0.0
+        gates.fill_(0.5)
+    assert (logits_of(model, ids) - base).abs().max().item() == 0.0
+    for i in range(a.num_layers(model.config)):
+        assert not a.o_proj_module(model, i)._forward_pre_hooks
+
+
+def test_hooks_are_removed_on_exception():
+    model = tiny_model("llama")
+    a = adapter_for(model.config)
+    with pytest.raises(RuntimeError):
+        with head_gates(model, a) as gates:
+            gates.fill_(0.0)
+            raise RuntimeError("boom")
+    assert all(not a.o_proj_module(model, i)._forward_pre_hooks for i in range(3))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_per_example_gates_and_gradients(family):
+    model = tiny_model(family)
+    a = adapter_for(model.config)
+    ids = sample_ids(family, batch=2)
+    with head_gates(model, a, batch_size=2, requires_grad=True) as gates:
+        with torch.no_grad():
+            gates.values[1][1, 2] = 0.0  # gate head 2 of layer 1 for the second example only
+        out = logits_of(model, ids)
+        with torch.no_grad():
+            gates.values[1].fill_(1.0)
+        loss = model(input_ids=ids).logits.sum()
+        loss.backward()
+        assert gates.values[0].grad is not None and gates.values[0].grad.shape == (2, 4)
+    full = logits_of(model, ids)
+    assert torch.allclose(out[0], full[0], atol=1e-6)
+    assert not torch.allclose(out[1], full[1], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_info_reports_the_right_numbers(family, tmp_path):
+    folder = save_tiny(family, tmp_path / family)
+    res = runner.invoke(app, ["info", str(folder), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["family"] == adapter_for(tiny_model(family).config).family
+    assert info["num_layers"] == 3
+    assert info["num_heads"] == 4
+    assert info["num_kv_heads"] == EXPECTED_KV[family]
+    assert info["head_dim"] == 8
+    assert info["hidden_size"] == 32
+    model = tiny_model(family)
+    assert info["params"] == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    # q, k, v, o weights (+ biases where present) of 3 layers
+    assert info["attention_params"] >= 3 * (2 * 32 * 32 + 2 * 32 * 8 * EXPECTED_KV[family])
+    assert info["kv_cache_bytes_per_token"] == 3 * 2 * EXPECTED_KV[family] * 8 * 4  # fp32
+    for key in ("model_type", "family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                "params", "attention_params", "kv_cache_bytes_per_token"):
+        assert key in info
+
+
+def test_info_table_goes_to_stderr_only(tmp_path):
+    folder = save_tiny("llama", tmp_path / "m")
+    res = runner.invoke(app, ["info", str(folder)])
+    assert res.exit_code == 0
+    assert res.stdout == ""
+    assert "query heads" in res.stderr
+
+
+def test_unsupported_family_names_the_supported_ones(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("t5", d_model=32, num_layers=1, num_heads=2, d_kv=8, d_ff=32, vocab_size=50)
+    cfg.save_pretrained(tmp_path / "t5")
+    res = runner.invoke(app, ["info", str(tmp_path / "t5")])
+    assert res.exit_code == 2
+    line = res.stderr.strip()
+    assert "\n" not in line and "unsupported model family 't5'" in line and "llama" in line
+    with pytest.raises(UsageError):
+        adapter_for(cfg)
+    assert "gpt2" in supported_families()
+
+
+@pytest.mark.parametrize("ref,needle", [
+    ("/no/such/model", "model not found"),
+    ("./missing-folder", "model not found"),
+    ("some-org/some-model", "hub is offline"),
+])
+def test_bad_model_references(ref, needle):
+    res = runner.invoke(app, ["info", ref])
+    assert res.exit_code == 2
+    assert needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_folder_without_config_and_file_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "x.txt").write_text("hello")
+    for ref, needle in [(tmp_path / "empty", "no config.json"), (tmp_path / "x.txt", "not a model")]:
+        res = runner.invoke(app, ["info", str(ref)])
+        assert res.exit_code == 2 and needle in res.stderr
+
+
+def test_dtype_and_device_options(tmp_path):
+    folder = save_tiny("qwen2", tmp_path / "m")
+    lm = load_model(str(folder), dtype="bfloat16", device="cpu")
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    assert model_info(lm.model, lm.adapter)["kv_cache_bytes_per_token"] == 3 * 2 * 2 * 8 * 2
+    for opt, val in [("--dtype", "float8"), ("--device", "tpu")]:
+        res = runner.invoke(app, ["info", str(folder), opt, val])
+        assert res.exit_code == 2, res.output
+
+
+def test_fingerprint_is_stable_across_dtypes_and_changes_with_weights(tmp_path):
+    folder = save_tiny("llama", tmp_path / "m")
+    a = load_model(str(folder), dtype="float32")
+    b = load_model(str(folder), dtype="bfloat16")
+    assert a.fingerprint == b.fingerprint
+    other = save_tiny("llama", tmp_path / "o", seed=5)
+    assert load_model(str(other)).fingerprint != a.fingerprint
+
+
+def test_loading_never_modifies_the_input(tmp_path):
+    import hashlib
+
+    folder = save_tiny("gpt2", tmp_path / "m")
+
+    def digest():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+    before = digest()
+    runner.invoke(app, ["info", str(folder), "--json"])
+    assert digest() == before
+
+
+def test_version_and_help():
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and "headtool" in res.stdout
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0 and "info" in res.stdout
+
+
+def test_families_table_is_complete():
+    assert set(FAMILIES) >= {"bert", "roberta", "gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3",
+                             "gemma", "gemma2", "gemma3_text", "phi3"}

@@ -1,0 +1,50 @@
+"""The real pretrained models that PyPI packages carry: SmolLM2-135M (GGUF) and all-MiniLM-L6-v2."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import needs_minilm, needs_smollm2
+from headtool.cli import app
+
+runner = CliRunner()
+pytestmark = pytest.mark.realmodel
+
+
+@needs_smollm2
+def test_info_smollm2():
+    res = runner.invoke(app, ["info", "smollm2-135m", "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert (info["family"], info["num_layers"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == \
+        ("llama", 30, 9, 3, 64)
+    assert info["kv_cache_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert 134_000_000 < info["params"] < 135_000_000
+
+
+@needs_smollm2
+def test_eval_smollm2_on_pydoc_is_sane_and_repeatable():
+    args = ["eval", "smollm2-135m", "--data", "builtin:pydoc", "--seq-len", "64", "--max-samples", "4", "--json"]
+    first = json.loads(runner.invoke(app, args).stdout)["results"][0]
+    second = json.loads(runner.invoke(app, args).stdout)["results"][0]
+    assert first["loss"] == second["loss"]
+    assert 5 < first["perplexity"] < 100, first
+    assert math.isfinite(first["loss"])
+
+
+@needs_minilm
+def test_info_and_eval_minilm_in_a_subprocess():
+    out = subprocess.run([sys.executable, "-m", "headtool", "info", "all-minilm-l6-v2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["family"], info["num_layers"], info["num_heads"], info["head_dim"]) == ("bert", 6, 12, 32)
+    res = runner.invoke(app, ["eval", "all-minilm-l6-v2", "--seq-len", "32", "--max-samples", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["objective"] == "kl" and r["results"][0]["loss"] == 0.0
