@@ -17,6 +17,10 @@ from torch import nn
 KINDS = ("q", "k", "v", "o")
 
 LAYOUT_KEY = "headtool_head_layout"
+# config key of headtool's remote-code outputs: how to resize each layer (Adapter.resize_spec)
+RESIZE_SPEC_KEY = "headtool_resize_spec"
+# what a resize attribute can be set to, computed from a layer's LayerHeads
+RESIZE_QUANTITIES = ("num_heads", "num_kv_heads", "head_dim", "group_size", "q_width", "kv_width")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,12 @@ class Adapter:
     attention: str = "self_attn"  # attention module relative to a layer
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # Resizing attention in place (prune, convert-gqa): numbers that an attention module keeps
+    # as attributes and reads in forward, as (path relative to the layer, quantity) with a
+    # quantity in RESIZE_QUANTITIES; and config keys that the attention forward reads from
+    # `self.config` (those layers get a per-layer view of the config).
+    resize_attrs: tuple[tuple[str, str], ...] = ()
+    resize_config_keys: tuple[tuple[str, str], ...] = ()
 
     # ---------------------------------------------------------------- geometry
     def num_layers(self, config) -> int:
@@ -196,10 +206,48 @@ class Adapter:
         base_hd = self.base_head_dim(config)
         if first.head_dim != base_hd:
             return False
-        if first.num_heads * first.head_dim != self.hidden_size(config):
-            if not (self.support.explicit_head_dim and self.support.heads_need_not_divide_hidden):
+        hidden = self.hidden_size(config)
+        if first.num_heads * first.head_dim != hidden:
+            if not self.support.explicit_head_dim:
                 return False
+            # e.g. Llama/Gemma2 configs validate hidden_size % num_heads == 0 even with head_dim
+            if not self.support.heads_need_not_divide_hidden and hidden % first.num_heads:
+                return False
+        return self._config_accepts(config, first)
+
+    def _config_accepts(self, config, heads: LayerHeads) -> bool:
+        """Whether the family's config class itself accepts `heads` (its validators run)."""
+        try:
+            d = config.to_dict()
+            d.pop(LAYOUT_KEY, None)
+            d.pop(RESIZE_SPEC_KEY, None)
+            d.pop("auto_map", None)
+            d[self.heads_key] = heads.num_heads
+            if self.kv_heads_key:
+                d[self.kv_heads_key] = heads.num_kv_heads
+            if self.head_dim_key:
+                d[self.head_dim_key] = heads.head_dim
+            type(config).from_dict(d)
+        except Exception:  # noqa: BLE001 - any validator complaint means "not standard"
+            return False
         return True
+
+    # ---------------------------------------------------------------- resizing
+    def resize_spec(self) -> dict[str, Any]:
+        """JSON-able description of how to resize a layer's attention to a new geometry.
+
+        Stored in remote-code output configs (RESIZE_SPEC_KEY) and executed by the
+        self-contained modeling file as well as by `headtool.resize` (one implementation).
+        """
+        return {
+            "layers_path": self.layers_path,
+            "attention": self.attention,
+            "conv1d": self.conv1d,
+            "tensors": [{"name": t.name, "axis": t.axis, "kinds": list(t.kinds), "optional": t.optional}
+                        for t in self.tensors],
+            "attrs": [list(a) for a in self.resize_attrs],
+            "config_keys": [list(c) for c in self.resize_config_keys],
+        }
 
     def set_standard_heads(self, config, heads: LayerHeads) -> None:
         """Write a uniform head geometry into `config` in the family's own keys."""

@@ -35,6 +35,8 @@ def _llama_like(family: str, model_types: tuple[str, ...], *, divides: bool, qk_
         head_dim_key="head_dim",
         rotary=True,
         qk_norm=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if qk_norm else (),
+        # the forward views q/k/v with head_dim and repeats K/V by num_key_value_groups
+        resize_attrs=(("self_attn.num_key_value_groups", "group_size"),),
     )
 
 
@@ -46,6 +48,8 @@ BERT = Adapter(
     attention="attention",
     tensors=_separate("attention.self.", "query", "key", "value", "attention.output.dense", bias=True),
     support=ConfigSupport(kv_heads=False, explicit_head_dim=False, heads_need_not_divide_hidden=False),
+    resize_attrs=(("attention.self.num_attention_heads", "num_heads"),
+                  ("attention.self.all_head_size", "q_width")),
 )
 
 GPT2 = Adapter(
@@ -64,6 +68,8 @@ GPT2 = Adapter(
     layers_key="n_layer",
     hidden_key="n_embd",
     conv1d=True,
+    # c_attn's output is split in chunks of split_size (q, k, v)
+    resize_attrs=(("attn.num_heads", "num_heads"), ("attn.split_size", "q_width")),
 )
 
 GPT_NEOX = Adapter(
@@ -88,6 +94,7 @@ OPT = Adapter(
     o_proj="self_attn.out_proj",
     tensors=_separate("self_attn.", "q_proj", "k_proj", "v_proj", "self_attn.out_proj", bias=True),
     support=ConfigSupport(kv_heads=False, explicit_head_dim=False, heads_need_not_divide_hidden=False),
+    resize_attrs=(("self_attn.num_heads", "num_heads"),),
 )
 
 LLAMA = _llama_like("llama", ("llama",), divides=False)
@@ -111,6 +118,10 @@ PHI3 = Adapter(
     kv_heads_key="num_key_value_heads",
     head_dim_key="head_dim",
     rotary=True,
+    resize_attrs=(("self_attn.num_key_value_groups", "group_size"),
+                  ("self_attn.num_key_value_heads", "num_kv_heads")),
+    # Phi3Attention.forward splits qkv with self.config.num_attention_heads
+    resize_config_keys=(("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads")),
 )
 
 ALL_ADAPTERS: tuple[Adapter, ...] = (BERT, GPT2, GPT_NEOX, OPT, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA3, PHI3)
