@@ -12,6 +12,11 @@ OBJECTIVES = ("auto", "lm", "mlm", "classification", "kl")
 DATA_TASK = {"lm": "lm", "mlm": "mlm", "classification": "classification", "kl": "plain"}
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 -> float32 for losses; float64 stays float64 (exact checks run in fp64)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def resolve_objective(objective: str, task: str, label_column: str | None = None) -> str:
     """The natural objective for a model task ('auto'), or a check that the asked one fits."""
     if objective not in OBJECTIVES:
@@ -42,7 +47,7 @@ def token_losses(objective: str, logits: torch.Tensor, batch: dict) -> tuple[tor
 
     lm: next-token cross entropy; mlm: masked positions only; classification: one per example.
     """
-    logits = logits.float()
+    logits = at_least_float32(logits)
     if objective == "lm":
         labels = batch["input_ids"][:, 1:]
         lg = logits[:, :-1]
@@ -74,8 +79,8 @@ def divergence(objective_output: torch.Tensor, reference: torch.Tensor, mask: to
     Logits: KL(reference || model) over the vocabulary; hidden states: squared error
     normalised by the reference's mean squared norm (scale-free, needs no head).
     """
-    out = objective_output.float()
-    ref = reference.float()
+    out = at_least_float32(objective_output)
+    ref = at_least_float32(reference)
     if is_logits:
         lp = F.log_softmax(out, -1)
         lq = F.log_softmax(ref, -1)
@@ -90,3 +95,71 @@ def divergence(objective_output: torch.Tensor, reference: torch.Tensor, mask: to
 def has_logits(model) -> bool:
     return hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None \
         or type(model).__name__.endswith("ForSequenceClassification")
+
+
+# --------------------------------------------------------------------------- scoring helpers
+
+
+def forward_output(model, batch: dict) -> tuple[torch.Tensor, bool]:
+    """(logits or final hidden states, is_logits) of one forward, without building a KV cache.
+
+    Scoring runs many forwards whose cache would only cost memory, so `use_cache=False` is
+    passed to models that take it.
+    """
+    import inspect
+
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    out = model(**kwargs)
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return logits, True
+    return out.last_hidden_state, False
+
+
+def objective_losses(objective: str, output: torch.Tensor, batch: dict, reference: torch.Tensor | None = None,
+                     is_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position losses [B, T'] and weights for any objective; `kl` compares with `reference`.
+
+    A pooled output ([B, C], a classifier) counts as one position per example.
+    """
+    if objective != "kl":
+        return token_losses(objective, output, batch)
+    if reference is None:
+        raise ValueError("objective 'kl' needs the reference output")
+    if output.dim() == 2:
+        return divergence(output[:, None], reference[:, None], None, is_logits)
+    return divergence(output, reference, batch.get("attention_mask"), is_logits)
+
+
+def fisher_sample_losses(output: torch.Tensor, batch: dict, is_logits: bool,
+                         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position losses whose squared gradient estimates the Fisher of the `kl` objective.
+
+    The gradient of a divergence from the model's own outputs is exactly zero at the model
+    itself; its curvature is not. Drawing targets from the model's own predictive distribution
+    (Kwon et al. 2022) gives per-example gradients whose expected square is the diagonal of that
+    curvature (the Fisher, equal to the Hessian of the summed KL at its minimum):
+    - logits: labels sampled from softmax(output), loss = cross entropy on them;
+    - hidden states (headless models): the divergence is |o - r|^2 / s, a Gaussian model with
+      Fisher (2/s) J^T J; the loss sqrt(2/s) * <eps, o> with eps ~ N(0, I) has exactly that
+      expected squared gradient (Hutchinson).
+    Samples are drawn on the CPU with `generator`, so a seed gives the same numbers on any device.
+    """
+    out = at_least_float32(output)
+    if out.dim() == 2:
+        out = out[:, None]
+        mask = None
+    else:
+        mask = batch.get("attention_mask")
+    w = torch.ones(out.shape[:2], dtype=torch.float32, device=out.device) if mask is None else mask.float()
+    ref = out.detach()
+    if is_logits:
+        probs = torch.softmax(ref.reshape(-1, ref.shape[-1]).float(), -1).cpu()
+        labels = torch.multinomial(probs, 1, generator=generator).view(out.shape[:2]).to(out.device)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1), reduction="none")
+        return loss.view(out.shape[:2]), w
+    scale = ref.pow(2).sum(-1).mean().clamp_min(1e-12)
+    eps = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(device=out.device, dtype=out.dtype)
+    return (eps * out).sum(-1) * torch.sqrt(2.0 / scale), w

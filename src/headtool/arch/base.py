@@ -193,6 +193,29 @@ class Adapter:
     def o_axis(self) -> int:
         return 0 if self.conv1d else 1
 
+    # ---------------------------------------------------------------- convert-gqa (K/V merging)
+    def projection_module(self, model: nn.Module, i: int, kind: str) -> nn.Module:
+        """The module whose weight carries `kind` ('q','k','v','o') slices in layer i.
+
+        Its input is the attention input for q/k/v (shared by the three, also when fused),
+        which is all that K/V merging needs to collect statistics.
+        """
+        for ht in self.tensors:
+            if kind in ht.kinds and ht.name.endswith(".weight"):
+                return self.layer_module(model, i).get_submodule(ht.name[: -len(".weight")])
+        raise KeyError(f"{self.family}: no weight carries {kind!r} slices")
+
+    def rotary_dim(self, config, head_dim: int) -> int:
+        """How many leading dims of each q/k head rotate (rotate_half pairs (p, p + r/2)); 0 without RoPE."""
+        if not self.rotary:
+            return 0
+        rope = getattr(config, "rope_parameters", None) or {}
+        factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+        if factor is None:
+            factor = getattr(config, "partial_rotary_factor", None) or getattr(config, "rotary_pct", None) or 1.0
+        r = int(head_dim * float(factor))
+        return r - (r % 2)
+
     # ---------------------------------------------------------------- config
     def can_write_standard_config(self, config, geometry: list[LayerHeads]) -> bool:
         """True when `geometry` is expressible by the family's stock config fields."""

@@ -1,0 +1,1 @@
+"""Files that headtool copies into output folders (self-contained: they never import headtool)."""

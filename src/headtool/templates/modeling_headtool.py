@@ -1,0 +1,155 @@
+# Written by headtool (https://github.com/) into a pruned / merged checkpoint.
+#
+# The attention layers of this model have head counts that the family's stock config cannot
+# express (a different count per layer, or a family whose head_dim is derived from the width).
+# This file builds the original family's model and resizes each layer's attention to the table
+# in config.json ("headtool_head_layout"), following the recipe in "headtool_resize_spec".
+# It needs only torch and transformers; load with
+#     AutoModelFor...from_pretrained(folder, trust_remote_code=True)
+# headtool itself uses the same functions (headtool.resize) for models in memory.
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LAYOUT_KEY = "headtool_head_layout"
+RESIZE_SPEC_KEY = "headtool_resize_spec"
+
+
+def _get(obj, key, default=None):
+    return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
+
+
+def quantity(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """A head-derived number that an attention module stores (see Adapter.resize_attrs)."""
+    values = {
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "group_size": num_heads // num_kv_heads,
+        "q_width": num_heads * head_dim,
+        "kv_width": num_kv_heads * head_dim,
+    }
+    if name not in values:
+        raise ValueError(f"unknown resize quantity {name!r}")
+    return values[name]
+
+
+def axis_size(kinds, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Length of a head-carrying axis holding `kinds` (q/o: query heads, k/v: KV heads)."""
+    return sum(num_heads if k in ("q", "o") else num_kv_heads for k in kinds) * head_dim
+
+
+class LayerConfig:
+    """A per-layer view of a model config: some keys overridden, everything else shared.
+
+    Reads and writes of other attributes go to the shared config, so settings changed later
+    on the model (e.g. the attention implementation) reach every layer.
+    """
+
+    def __init__(self, base, overrides: dict):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", dict(overrides))
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_base", "_overrides"):
+            raise AttributeError(name)
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name, value):
+        if name in self._overrides:
+            self._overrides[name] = value
+        else:
+            setattr(self._base, name, value)
+
+    def to_dict(self):
+        d = self._base.to_dict()
+        d.update(self._overrides)
+        return d
+
+
+def _base_model(model):
+    return getattr(model, "base_model", model)
+
+
+def _fix_sizes(module: nn.Module, conv1d: bool) -> None:
+    """Keep a projection's size attributes in line with its (new) weight."""
+    w = module.weight
+    if conv1d and hasattr(module, "nf"):  # transformers' Conv1D: weight [nx, nf]
+        module.nx, module.nf = int(w.shape[0]), int(w.shape[1])
+    elif isinstance(module, nn.Linear):
+        module.out_features, module.in_features = int(w.shape[0]), int(w.shape[1])
+
+
+def resize_layer(model: nn.Module, spec: dict, layer: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, tensors: dict | None = None) -> None:
+    """Resize the attention of `layer` to (num_heads, num_kv_heads, head_dim), in place.
+
+    With `tensors` (names relative to the layer, e.g. "self_attn.q_proj.weight") the new
+    parameters take those values; without, they are allocated empty on the same device and
+    dtype (from_pretrained then fills them from the checkpoint).
+    """
+    if num_kv_heads < 1 or num_heads < num_kv_heads or num_heads % num_kv_heads:
+        raise ValueError(f"layer {layer}: {num_heads} query heads cannot share {num_kv_heads} KV heads")
+    layer_mod = _base_model(model).get_submodule(f"{spec['layers_path']}.{layer}")
+    for entry in spec["tensors"]:
+        mod_path, pname = entry["name"].rsplit(".", 1)
+        mod = layer_mod.get_submodule(mod_path)
+        old = getattr(mod, pname, None)
+        if old is None:
+            if tensors is not None and entry["name"] in tensors:
+                raise ValueError(f"layer {layer}: {entry['name']} given but the model has no such parameter")
+            continue
+        if tensors is not None:
+            if entry["name"] not in tensors:
+                raise ValueError(f"layer {layer}: no new value for {entry['name']}")
+            new = tensors[entry["name"]].to(device=old.device, dtype=old.dtype)
+        else:
+            shape = list(old.shape)
+            shape[entry["axis"]] = axis_size(entry["kinds"], num_heads, num_kv_heads, head_dim)
+            new = torch.empty(shape, dtype=old.dtype, device=old.device)
+        expected = axis_size(entry["kinds"], num_heads, num_kv_heads, head_dim)
+        if new.shape[entry["axis"]] != expected:
+            raise ValueError(f"layer {layer}: {entry['name']} has {new.shape[entry['axis']]} entries on axis "
+                             f"{entry['axis']}, expected {expected}")
+        setattr(mod, pname, nn.Parameter(new.contiguous(), requires_grad=old.requires_grad))
+        if pname == "weight":
+            _fix_sizes(mod, bool(spec.get("conv1d")))
+    for path, qty in spec.get("attrs", []):
+        owner, _, attr = path.rpartition(".")
+        obj = layer_mod.get_submodule(owner) if owner else layer_mod
+        setattr(obj, attr, quantity(qty, num_heads, num_kv_heads, head_dim))
+    if spec.get("config_keys"):
+        attn = layer_mod.get_submodule(spec["attention"])
+        shared = attn.config._base if isinstance(attn.config, LayerConfig) else attn.config
+        attn.config = LayerConfig(shared, {key: quantity(qty, num_heads, num_kv_heads, head_dim)
+                                           for key, qty in spec["config_keys"]})
+
+
+def apply_layout(model: nn.Module, config) -> None:
+    """Resize every layer of a freshly built model to the config's per-layer head table."""
+    layout = _get(config, LAYOUT_KEY)
+    spec = _get(config, RESIZE_SPEC_KEY)
+    if not layout or not spec:
+        return
+    hd = int(layout["head_dim"])
+    for i, (nq, nkv) in enumerate(zip(layout["num_heads"], layout["num_kv_heads"])):
+        resize_layer(model, spec, i, int(nq), int(nkv), hd)
+
+
+def headtool_class(base_cls):
+    """A subclass of a transformers model class that builds the resized attention."""
+
+    class Resized(base_cls):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            apply_layout(self, config)
+
+    Resized.__name__ = Resized.__qualname__ = f"Headtool{base_cls.__name__}"
+    return Resized
+
+
+# Classes named in config.json's auto_map (generated by headtool for this checkpoint):

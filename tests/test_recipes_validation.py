@@ -1,0 +1,81 @@
+"""A broken recipe lists all its problems at once, with YAML locations; --set overrides values."""
+from __future__ import annotations
+
+import pytest
+
+from headtool.errors import UsageError
+from headtool.recipes import apply_overrides, load_recipe, validate
+
+BROKEN = """\
+name: broken
+model: ./no-such-model
+dtype: float64
+colour: red
+data: {source: builtin:pydoc, seq_len: 1}
+steps:
+  - score: {method: gradient, objectiv: kl}
+  - prune: {fraction: 1.5}
+  - step: convert_gqa
+    merge: mean,bogus
+  - eval: {data: {source: missing.txt}}
+  - frobnicate: {}
+"""
+
+
+def _problems(tmp_path, text, overrides=()):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    r = load_recipe(p)
+    apply_overrides(r, list(overrides))
+    with pytest.raises(UsageError) as e:
+        validate(r)
+    return str(e.value), p
+
+
+def test_every_problem_is_listed_with_its_location(tmp_path):
+    msg, p = _problems(tmp_path, BROKEN)
+    expected = [
+        (3, "dtype: must be one of"), (4, "colour: unknown key"), (5, "data.seq_len: must be an integer >= 2"),
+        (2, "model: not found"), (7, "steps.0.objectiv: unknown key"), (8, "steps.1.fraction: must be a number in (0, 1)"),
+        (10, "steps.2.merge"), (9, "steps.2.kv_heads: required"), (11, "steps.3.data.source: file not found"),
+        (12, "unknown step 'frobnicate'"),
+    ]
+    assert f"has {len(expected)} problem(s)" in msg
+    for line, text in expected:
+        assert any(f"{p}:{line}:" in row and text in row for row in msg.splitlines()), (line, text, msg)
+
+
+def test_overrides_fix_and_break_values(tmp_path):
+    text = "model: smollm2-135m\nsteps:\n  - prune: {fraction: 0.3}\n"
+    p = tmp_path / "ok.yaml"
+    p.write_text(text)
+    r = load_recipe(p)
+    apply_overrides(r, ["steps.0.fraction=0.4", "seed=3"])
+    validate(r)
+    assert r.steps[0]["fraction"] == 0.4 and r.values["seed"] == 3
+    msg, _ = _problems(tmp_path, text, ["steps.0.fraction=2"])
+    assert "--set steps.0.fraction: steps.0.fraction: must be a number in (0, 1), got 2" in msg
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["steps.5.fraction=0.1"], "no item '5'"),
+    (["fraction"], "use KEY=VALUE"),
+])
+def test_bad_overrides(tmp_path, bad, needle):
+    p = tmp_path / "ok.yaml"
+    p.write_text("model: smollm2-135m\nsteps:\n  - prune: {fraction: 0.3}\n")
+    r = load_recipe(p)
+    with pytest.raises(UsageError, match=needle):
+        apply_overrides(r, bad)
+
+
+def test_not_yaml_and_missing(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [unclosed\n")
+    with pytest.raises(UsageError, match="not valid YAML"):
+        load_recipe(p)
+    with pytest.raises(UsageError, match="recipe not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    p.write_text("- just\n- a list\n")
+    with pytest.raises(UsageError, match="a recipe is a mapping"):
+        load_recipe(p)
