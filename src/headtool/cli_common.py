@@ -23,9 +23,11 @@ class LoadOptions:
     dtype: str = "auto"
     device: str = "auto"
     trust_remote_code: bool = False
+    device_map: str | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code}
+        return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code,
+                "device_map": self.device_map}
 
 
 _MODEL_PARAMS = [
@@ -36,6 +38,9 @@ _MODEL_PARAMS = [
     inspect.Parameter("trust_remote_code", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
         bool, typer.Option("--trust-remote-code", help="run the model's own code (off by default)",
                            rich_help_panel="Model")]),
+    inspect.Parameter("device_map", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[str], typer.Option("--device-map", help="'auto': spread a model larger than one device over "
+                                    "GPUs/CPU with accelerate (offload)", rich_help_panel="Model")]),
 ]
 
 

@@ -67,7 +67,7 @@ def _gate_hook(heads: LayerHeads, gates: HeadGates, layer: int):
             gb = g
         else:  # per-example gates [B, H] -> broadcast over the sequence dims
             gb = g.reshape(g.shape[0], *([1] * (xh.dim() - 3)), heads.num_heads)
-        xh = xh * gb.to(x.dtype)[..., None]
+        xh = xh * gb.to(device=x.device, dtype=x.dtype)[..., None]  # layers may sit on other devices
         return (xh.reshape(shape), *args[1:])
 
     return hook

@@ -292,6 +292,7 @@ def load_model(
     task: str = "auto",
     attn_implementation: str | None = None,
     tokenizer: str | None = None,
+    device_map: str | None = None,
 ) -> LoadedModel:
     """Load MODEL for headtool; bad references are a UsageError with one clear line."""
     path, source = resolve_ref(ref)
@@ -301,6 +302,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if device_map:
+        # accelerate places layers across GPUs / CPU (offload) for models larger than one device
+        if importlib.util.find_spec("accelerate") is None:
+            raise UsageError("--device-map needs the accelerate package: pip install accelerate")
+        kwargs["device_map"] = device_map
+        kwargs["offload_folder"] = str(cache_dir() / "offload")
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     from transformers.utils import logging as hf_logging
@@ -325,7 +332,8 @@ def load_model(
         raise UsageError(f"{ref}: cannot load the model: {str(e).splitlines()[0]}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
-    model.to(dev)
+    if not device_map:
+        model.to(dev)
     model.eval()
     tok = load_tokenizer(tokenizer or path, trust_remote_code)
     return LoadedModel(model=model, tokenizer=tok, adapter=adapter, ref=ref, path=path,
