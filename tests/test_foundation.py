@@ -198,3 +198,11 @@ def test_version_and_help():
 def test_families_table_is_complete():
     assert set(FAMILIES) >= {"bert", "roberta", "gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3",
                              "gemma", "gemma2", "gemma3_text", "phi3"}
+
+
+def test_fingerprint_of_a_large_tensor_samples_in_range():
+    """float32 linspace rounds n-1 up to n past 2**24 elements (an IndexError on real embeddings)."""
+    from headtool.fingerprint import tensor_sample
+
+    t = torch.zeros(28_311_552 // 64, 64)
+    assert len(tensor_sample(t)) == 256 * 2

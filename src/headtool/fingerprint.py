@@ -31,7 +31,7 @@ def tensor_sample(t: torch.Tensor) -> bytes:
     flat = t.detach().reshape(-1)
     n = flat.numel()
     if n > SAMPLES_PER_TENSOR:
-        idx = torch.linspace(0, n - 1, SAMPLES_PER_TENSOR, device=flat.device).long()
+        idx = torch.linspace(0, n - 1, SAMPLES_PER_TENSOR, dtype=torch.float64, device=flat.device).long()
         flat = flat[idx]
     return flat.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
 
