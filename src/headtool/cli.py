@@ -116,15 +116,49 @@ def info(
 def eval_cmd(
     models: Annotated[list[str], typer.Argument(help="one or more models; deltas are against the first")],
     objective: Annotated[str, typer.Option("--objective", help="auto | lm | mlm | classification")] = "auto",
+    speed: Annotated[bool, typer.Option("--speed", help="measure inference speed and memory instead of loss",
+                                        rich_help_panel="Speed")] = False,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="sequences per forward (default 1)",
+                                                 rich_help_panel="Speed")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default 1024)",
+                                                   rich_help_panel="Speed")] = None,
+    new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="decode steps with the KV cache "
+                                                      "(default 32)", rich_help_panel="Speed")] = None,
+    repeats: Annotated[Optional[int], typer.Option("--repeats", help="timed runs per model; the median is "
+                                                   "reported (default 5)", rich_help_panel="Speed")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", help="untimed runs first (default 1)",
+                                                  rich_help_panel="Speed")] = None,
     json_out: JsonOpt = False,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
 ) -> None:
     """Loss and perplexity (or accuracy) of models side by side, on exactly the same batches.
 
+    With --speed: prefill and decode tokens/s, KV-cache bytes and peak memory growth instead,
+    measured interleaved on the same tokens (median, ratio to the first model).
+
     Example: headtool eval smollm2-135m pruned/ --data builtin:pydoc --max-samples 32
+    Example: headtool eval smollm2-135m mqa/ --speed --batch 2 --context 1024 --new-tokens 32
     """
     from .data import DataSpec
+
+    speed_opts = {"batch": batch, "context": context, "new_tokens": new_tokens, "repeats": repeats,
+                  "warmup": warmup}
+    if speed:
+        from .report import speed_table
+        from .speed import SpeedSpec, compare_speed
+
+        spec = SpeedSpec(**{k: v for k, v in speed_opts.items() if v is not None})
+        ds = data_spec or DataSpec()
+        doc = compare_speed(models, spec, load.kwargs(), source=ds.source, seed=ds.seed)
+        err_console().print(speed_table(doc))
+        if json_out:
+            print_json(doc)
+        return
+    given = [f"--{k.replace('_', '-')}" for k, v in speed_opts.items() if v is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --speed")
+
     from .evaluation import compare_models
     from .report import eval_table
 

@@ -106,3 +106,66 @@ def heatmap_table(title: str, matrix: Sequence[Sequence[float]], fmt: str = "{:.
         cells += [Text("")] * (width - len(row))
         t.add_row(str(i), *cells)
     return t
+
+
+def pairs_table(title: str, pairs: Sequence[dict[str, Any]]) -> Table:
+    """The most similar head pairs (layer, heads, attention and output similarity)."""
+    t = Table(title=title, title_justify="left")
+    for col in ("layer", "heads", "attention sim", "output sim", "same KV group"):
+        t.add_column(col, justify="right")
+    for p in pairs:
+        t.add_row(str(p["layer"]), f"{p['heads'][0]} & {p['heads'][1]}", f"{p['attention_similarity']:.3f}",
+                  f"{p['output_similarity']:.3f}", "yes" if p.get("same_kv_group") else "no")
+    return t
+
+
+def speed_table(doc: dict[str, Any]) -> Table:
+    """Prefill/decode throughput, KV cache and memory of models side by side (ratios to the first)."""
+    s = doc["settings"]
+    t = Table(title=f"headtool eval --speed (batch {s['batch']} x context {s['context']}, {s['new_tokens']} decode "
+                    f"steps, median of {s['repeats']} after {s['warmup']} warm-up, {s['threads']} threads, "
+                    f"{s['device']})", title_justify="left")
+    for col in ("model", "prefill tok/s", "ratio", "decode tok/s", "ratio", "ms/step", "KV cache", "ratio",
+                "peak mem Δ", "heads"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+
+    def ratio(r: dict, key: str, first: bool) -> str:
+        v = r["ratio"].get(key)
+        return "" if first or v is None else f"{v:.3f}x"
+
+    for i, r in enumerate(doc["results"]):
+        first = i == 0
+        dec = r.get("decode_tokens_per_s")
+        t.add_row(
+            r["model"], f"{r['prefill_tokens_per_s']:,.1f}", ratio(r, "prefill_tokens_per_s", first),
+            "n/a" if dec is None else f"{dec:,.2f}", ratio(r, "decode_tokens_per_s", first),
+            "n/a" if r.get("decode_ms_per_step") is None else f"{r['decode_ms_per_step']:.1f}",
+            "n/a" if r.get("kv_cache_bytes") is None else human_bytes(r["kv_cache_bytes"]),
+            ratio(r, "kv_cache_bytes", first),
+            "n/a" if r.get("peak_memory_delta_bytes") is None else human_bytes(r["peak_memory_delta_bytes"]),
+            f"{r.get('total_heads', '?')}/{r.get('total_kv_heads', '?')}",
+        )
+    return t
+
+
+def attention_png(path, title: str, probs, tokens: Sequence[str]) -> None:
+    """One head's attention probabilities on one text: rows = queries, columns = keys, with token labels."""
+    from .plotting import _pyplot
+
+    plt = _pyplot()
+    n = len(tokens)
+    size = min(3 + 0.2 * n, 14)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    im = ax.imshow(probs, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest")
+    if n <= 80:
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.set_xticklabels(tokens, rotation=90, fontsize=6)
+        ax.set_yticklabels(tokens, fontsize=6)
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="attention probability")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
