@@ -25,7 +25,7 @@ def _pyplot():
 
 
 def plot_heatmap(matrix: Sequence[Sequence[float]], path: str, *, title: str, colorbar_label: str = "importance",
-                 row_label: str = "layer", col_label: str = "head", marked: Sequence[Sequence[int]] = ()) -> str:
+                 row_label: str = "layer", col_label: str = "query head", marked: Sequence[Sequence[int]] = ()) -> str:
     """Save a layers x heads heatmap to `path` (format from the suffix; ragged rows shown blank).
 
     `marked` cells ([layer, head]) get a cross, e.g. the heads an iterative run removed.
@@ -49,9 +49,9 @@ def plot_heatmap(matrix: Sequence[Sequence[float]], path: str, *, title: str, co
     cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
     im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, interpolation="nearest")
     cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03)
-    cb.set_label(colorbar_label)
+    cb.set_label(colorbar_label, fontsize=9)
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel(f"{col_label} (query head index)")
+    ax.set_xlabel(col_label)
     ax.set_ylabel(row_label)
     ax.set_xticks(range(cols))
     ax.set_yticks(range(rows) if rows <= 48 else range(0, rows, max(1, rows // 24)))
