@@ -141,14 +141,30 @@ def apply_layout(model: nn.Module, config) -> None:
 
 
 def headtool_class(base_cls):
-    """A subclass of a transformers model class that builds the resized attention."""
+    """A subclass of a transformers model class that builds the resized attention.
+
+    The subclass keeps the family's class name (transformers looks up weight renamings such
+    as GPT-NeoX's embed_out -> lm_head by class name; save_pretrained writes it as the
+    architecture); the module exports it as Headtool<name>.
+    """
 
     class Resized(base_cls):
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             apply_layout(self, config)
 
-    Resized.__name__ = Resized.__qualname__ = f"Headtool{base_cls.__name__}"
+        @classmethod
+        def is_custom_code(cls) -> bool:
+            # the family's own modeling code with resized attention: the family's checkpoint
+            # conventions (weight renamings, init) apply unchanged
+            return False
+
+        def _get_static_cache_init_shape(self):
+            # the config's global head counts are not this model's: let a StaticCache size
+            # itself lazily from the first keys of each layer
+            return None
+
+    Resized.__name__ = Resized.__qualname__ = base_cls.__name__
     return Resized
 
 

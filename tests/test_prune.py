@@ -1,0 +1,223 @@
+"""headtool prune: saved folders equal the gated original on every family, reload anywhere, fail cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from headtool.arch import LAYOUT_KEY
+from headtool.checkpoint import write_output
+from headtool.cli import app
+from headtool.gates import head_gates
+from headtool.loading import load_model
+from headtool.pruning import markdown_table, prune
+from headtool.selection import Selection
+from tiny_models import ALL, FAMILIES, logits_of, sample_ids, save_tiny
+
+runner = CliRunner()
+
+
+def _cases(family: str, geo) -> dict[str, list[list[int]]]:
+    """Kept query heads per layer: non-uniform (--unit query), uniform, and whole KV groups."""
+    nq, nkv = geo[0].num_heads, geo[0].num_kv_heads
+    if nkv == nq:  # multi-head: single heads
+        return {"nonuniform": [[1, 3], [0, 1, 2, 3], [2]], "uniform": [[0, 1], [1, 2], [0, 3]]}
+    if nkv == 1:  # one KV head: query heads only
+        return {"nonuniform": [[1, 3], [0, 1, 2, 3], [2]], "uniform": [[0, 1], [2, 3], [0, 3]]}
+    return {"nonuniform": [[1, 3], [0, 1, 2, 3], [0, 2]],  # one query head per group left in layers 0, 2
+            "uniform": [[0, 2], [1, 3], [1, 2]],
+            "group": [[2, 3], [0, 1, 2, 3], [0, 1]]}  # whole groups (with their KV head) removed
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Every family x case: pruned folder, gated-original reference logits, input ids."""
+    root = tmp_path_factory.mktemp("prune")
+    out = {}
+    for family in ALL:
+        src = save_tiny(family, root / f"src_{family}")
+        ids = sample_ids(family)
+        for case, kept in _cases(family, load_model(str(src), dtype="float32", device="cpu").geometry).items():
+            lm = load_model(str(src), dtype="float32", device="cpu")
+            geo = lm.geometry
+            sel = Selection.from_kept(geo, kept)
+            with head_gates(lm.model, lm.adapter, init=sel.mask(geo)):
+                ref = logits_of(lm.model, ids)
+            result = prune(lm, sel)
+            folder = root / f"{family}-{case}"
+            w = write_output(folder, model=lm.model, tokenizer=lm.tokenizer, source=lm,
+                             meta={"operation": "prune", "kept_heads": [list(k) for k in sel.kept]},
+                             card_table=markdown_table(result, "?"))
+            torch.save({"ids": ids, "ref": ref}, root / f"{family}-{case}.pt")
+            out[(family, case)] = {"folder": folder, "ids": ids, "ref": ref, "kind": w["config_kind"],
+                                   "geo": result.geometry_after, "in_memory": logits_of(lm.model, ids)}
+    return out
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_reloaded_folder_equals_the_gated_original(outputs, family):
+    for (fam, case), o in outputs.items():
+        if fam != family:
+            continue
+        assert (o["in_memory"] - o["ref"]).abs().max() <= 1e-4, case
+        lm = load_model(str(o["folder"]), dtype="float32", device="cpu")
+        assert lm.geometry == o["geo"], case
+        diff = (logits_of(lm.model, o["ids"]) - o["ref"]).abs().max().item()
+        assert diff <= 1e-4, (case, diff)
+        cfg = json.loads((o["folder"] / "config.json").read_text())
+        doc = json.loads((o["folder"] / "headtool.json").read_text())
+        assert doc["format"] == "headtool.surgery/1" and doc["config_kind"] == o["kind"]
+        assert doc["source"]["fingerprint"].startswith("sha256:")
+        assert (LAYOUT_KEY in cfg) == (o["kind"] == "headtool-remote-code")
+        assert (o["folder"] / "modeling_headtool.py").exists() == (o["kind"] == "headtool-remote-code")
+        assert "| layer |" in (o["folder"] / "README.md").read_text()
+
+
+def test_standard_configs_where_the_family_allows_them(outputs):
+    kinds = {k: o["kind"] for k, o in outputs.items()}
+    # explicit head_dim and 2 heads dividing hidden 32 (or Qwen/Mistral that accept any count)
+    for fam in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"):
+        assert kinds[(fam, "uniform")] == "standard", fam
+    for fam in ("bert", "gpt2", "gpt_neox", "opt", "phi3"):  # head_dim derived from the width
+        assert kinds[(fam, "uniform")] == "headtool-remote-code", fam
+    assert all(kinds[(f, "nonuniform")] == "headtool-remote-code" for f in ALL)
+
+
+def test_generation_with_new_kv_head_counts(outputs):
+    o = outputs[("qwen3", "nonuniform")]
+    lm = load_model(str(o["folder"]), dtype="float32", device="cpu")
+    for impl in ("eager", "sdpa"):
+        lm.model.set_attn_implementation(impl)
+        out = lm.model.generate(o["ids"][:, :6], max_new_tokens=5, do_sample=False)
+        assert out.shape == (2, 11)
+        diff = (logits_of(lm.model, o["ids"]) - o["ref"]).abs().max().item()
+        assert diff <= 1e-4, impl
+
+
+def test_remote_code_folders_load_where_headtool_is_not_installed(outputs, tmp_path):
+    """transformers + trust_remote_code only: a subprocess whose sys.path lacks headtool."""
+    jobs = [{"folder": str(o["folder"]), "ref": str(o["folder"]) + ".pt",
+             "auto": "AutoModelForMaskedLM" if FAMILIES[fam][1] else "AutoModelForCausalLM"}
+            for (fam, case), o in outputs.items() if o["kind"] == "headtool-remote-code"]
+    assert len(jobs) >= 13
+    script = tmp_path / "reload.py"
+    script.write_text('''
+import json, sys
+try:
+    import headtool  # noqa: F401
+    print(json.dumps({"headtool_importable": True})); sys.exit(0)
+except ImportError:
+    pass
+import torch, transformers
+res = {"headtool_importable": False, "diffs": {}, "gen": {}}
+for job in json.loads(sys.argv[1]):
+    d = torch.load(job["ref"])
+    m = getattr(transformers, job["auto"]).from_pretrained(job["folder"], trust_remote_code=True,
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = m(input_ids=d["ids"], attention_mask=torch.ones_like(d["ids"])).logits
+    res["diffs"][job["folder"]] = (out - d["ref"]).abs().max().item()
+    if job["auto"] == "AutoModelForCausalLM":
+        res["gen"][job["folder"]] = m.generate(d["ids"][:, :4], max_new_tokens=3, do_sample=False).shape[1]
+print(json.dumps(res))
+''')
+    site = sysconfig.get_paths()["purelib"]
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    # -I: no PYTHONPATH, no cwd; -S: no site (so no .pth of the editable install); then only site-packages
+    code = f"import sys; sys.path.append({site!r}); sys.argv = sys.argv[:1] + sys.argv[1:]; " \
+           f"exec(compile(open({str(script)!r}).read(), 'reload.py', 'exec'))"
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, json.dumps(jobs)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["headtool_importable"] is False
+    bad = {k: v for k, v in res["diffs"].items() if not v <= 1e-4}
+    assert not bad and len(res["diffs"]) == len(jobs)
+    assert all(n == 7 for n in res["gen"].values())
+
+
+# ----------------------------------------------------------------------------- the command line
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("cli") / "src")
+
+
+def _prune(*args, input=None):
+    return runner.invoke(app, ["prune", *map(str, args)], input=input)
+
+
+def test_removing_nothing_reproduces_the_model(llama_src, tmp_path):
+    r = _prune(llama_src, "--heads", "", "-o", tmp_path / "same", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["config_kind"] == "standard"
+    a = load_model(str(llama_src), dtype="float32", device="cpu")
+    b = load_model(str(tmp_path / "same"), dtype="float32", device="cpu")
+    ids = sample_ids("llama")
+    assert torch.equal(logits_of(a.model, ids), logits_of(b.model, ids))
+
+
+def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_path):
+    doc = runner.invoke(app, ["score", str(llama_src), "--method", "magnitude"])
+    assert doc.exit_code == 0, doc.stderr
+    out = tmp_path / "out"
+    r = _prune(llama_src, "--scores", "-", "--fraction", "0.5", "--data", "builtin:pydoc", "--max-samples", "4",
+               "--seq-len", "16", "--compensate", "--eval-data", "builtin:pydoc", "--eval-samples", "4",
+               "--shard-size", "20KB", "-o", out, "--json", input=doc.stdout)
+    assert r.exit_code == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["heads_removed"] == 6 and res["eval"]["before"]["loss"] > 0
+    assert [c["layer"] for c in res["compensation"]] == [0, 1, 2]
+    assert res["eval_data"]["skip_samples"] == 4  # evaluation blocks never used for calibration
+    assert (out / "model.safetensors.index.json").exists()
+    assert "query heads" in r.stderr and "KV cache per token" in r.stderr
+    lm = load_model(str(out), dtype="float32", device="cpu")
+    assert [g.num_heads for g in lm.geometry] == [len(k) for k in res["kept_heads"]]
+    hj = json.loads((out / "headtool.json").read_text())
+    assert hj["kept_heads"] == res["kept_heads"] and hj["num_kv_heads"] == res["num_kv_heads"]
+
+
+def test_dry_run_writes_nothing(llama_src, tmp_path):
+    r = _prune(llama_src, "--heads", "0:0,2", "-o", tmp_path / "x", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["layers"][0]["heads_after"] == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_targets_exit_2_with_one_line_and_write_nothing(llama_src, tmp_path):
+    other = save_tiny("llama", tmp_path / "other", seed=5)
+    other_scores = tmp_path / "other.json"
+    assert runner.invoke(app, ["score", str(other), "--method", "magnitude", "-o", str(other_scores)]).exit_code == 0
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    (existing / "config.json").write_text("{}")
+    out = tmp_path / "never"
+    cases = [
+        (["--heads", "0:0", "--fraction", "1.5"], "--heads"),
+        (["--scores", other_scores, "--fraction", "1.5"], "fraction"),
+        (["--scores", other_scores, "--fraction", "0"], "fraction"),
+        (["--scores", other_scores, "--num-heads", "99"], "only 12"),
+        (["--scores", other_scores, "--fraction", "0.5", "--min-heads-per-layer", "9"], "impossible"),
+        (["--scores", other_scores, "--fraction", "0.2"], "fingerprint"),
+        (["--heads", "7:0"], "layer 7"),
+        (["--heads", "0:0"], "unequal"),
+    ]
+    for args, msg in cases:
+        r = _prune(llama_src, *args, "-o", out)
+        assert r.exit_code == 2, (args, r.stderr)
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and msg.lower() in lines[0].lower(), (args, r.stderr)
+        assert not out.exists()
+    r = _prune(llama_src, "--heads", "0:0,2", "-o", existing)
+    assert r.exit_code == 2 and "--overwrite" in r.stderr and (existing / "config.json").read_text() == "{}"
+    r = _prune(llama_src, "--heads", "0:0,2", "-o", llama_src / "inside")
+    assert r.exit_code == 2 and "inside the input" in r.stderr and not (llama_src / "inside").exists()
+    r = _prune(llama_src, "--heads", "0:0,2", "-o", existing, "--overwrite")
+    assert r.exit_code == 0 and (existing / "headtool.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left

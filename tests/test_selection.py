@@ -1,0 +1,104 @@
+"""Selection: scores + target -> heads to keep (pure functions)."""
+from __future__ import annotations
+
+import pytest
+
+from headtool.arch import LayerHeads
+from headtool.errors import UsageError
+from headtool.selection import (Target, candidate_sets, choose_removal, parse_heads, removal_steps,
+                                select_heads, selection_from_removed)
+
+MHA = [LayerHeads(4, 4, 8)] * 3
+GQA = [LayerHeads(6, 2, 8)] * 2  # groups {0,1,2} {3,4,5}
+SC_MHA = [[0.9, 0.1, 0.5, 0.3], [0.2, 0.8, 0.7, 0.05], [1.0, 0.95, 0.9, 0.85]]
+
+
+def test_global_fraction_takes_weakest_heads():
+    sel = select_heads(SC_MHA, MHA, Target(fraction=0.25))  # 3 of 12
+    assert sel.removed(MHA) == [[1], [0, 3], []]
+
+
+def test_num_heads_and_threshold():
+    assert select_heads(SC_MHA, MHA, Target(num_heads=2)).removed(MHA) == [[1], [3], []]
+    assert select_heads(SC_MHA, MHA, Target(threshold=0.35)).removed(MHA) == [[1, 3], [0, 3], []]
+
+
+def test_min_heads_per_layer_caps_a_layer():
+    sel = select_heads(SC_MHA, MHA, Target(num_heads=3, min_heads_per_layer=3))
+    assert sel.removed(MHA) == [[1], [3], [3]]  # layer 1 would otherwise lose 0 and 3
+
+
+def test_layer_scope_removes_the_same_number_everywhere():
+    sel = select_heads(SC_MHA, MHA, Target(fraction=0.5, scope="layer"))
+    assert sel.removed(MHA) == [[1, 3], [0, 3], [2, 3]]
+    with pytest.raises(UsageError, match="multiple of the 3 layers"):
+        select_heads(SC_MHA, MHA, Target(num_heads=4, scope="layer"))
+
+
+def test_unit_query_keeps_groups_equal():
+    scores = [[0.1, 0.5, 0.9, 0.2, 0.6, 0.3], [1, 1, 1, 1, 1, 1]]
+    steps = removal_steps(scores[0], GQA[0], "query")
+    assert steps == [[0, 3], [1, 5]]
+    sel = select_heads(scores, GQA, Target(num_heads=2))
+    assert sel.removed(GQA) == [[0, 3], []]
+    assert sel.keeps[0].kv == (0, 1)
+
+
+def test_unit_group_removes_whole_groups_with_their_kv_head():
+    scores = [[0.1, 0.2, 0.3, 0.9, 0.8, 0.7], [1, 1, 1, 1, 1, 1]]
+    sel = select_heads(scores, GQA, Target(num_heads=3, unit="group"))
+    assert sel.removed(GQA) == [[0, 1, 2], []]
+    assert sel.keeps[0].kv == (1,)
+    assert sel.geometry(GQA)[0] == LayerHeads(3, 1, 8)
+
+
+@pytest.mark.parametrize("target, msg", [
+    (Target(fraction=1.0), "strictly between 0 and 1"),
+    (Target(fraction=0.0), "strictly between 0 and 1"),
+    (Target(num_heads=12), "only 12 query heads"),
+    (Target(fraction=0.5, min_heads_per_layer=5), "impossible"),
+    (Target(fraction=0.9, min_heads_per_layer=3), "at most 3 of 12"),
+    (Target(), "exactly one target"),
+    (Target(fraction=0.2, num_heads=2), "exactly one target"),
+    (Target(threshold=0.5, scope="layer"), "does not combine"),
+    (Target(fraction=0.2, unit="head"), "--unit"),
+])
+def test_bad_targets_are_usage_errors(target, msg):
+    with pytest.raises(UsageError, match=msg):
+        select_heads(SC_MHA, MHA, target)
+
+
+def test_scores_of_the_wrong_shape():
+    with pytest.raises(UsageError, match="2 layers"):
+        select_heads(SC_MHA[:2], MHA, Target(fraction=0.2))
+    with pytest.raises(UsageError, match="3 heads in layer 0"):
+        select_heads([[1, 2, 3]] + SC_MHA[1:], MHA, Target(fraction=0.2))
+
+
+def test_parse_heads_and_its_errors():
+    assert parse_heads("2:3,1; 0:0 ;", MHA) == {0: [0], 2: [1, 3]}
+    for text, msg in [("1-2", "cannot read"), ("5:0", "layer 5 does not exist"), ("0:4", "not 4"),
+                      ("0:a", "cannot read")]:
+        with pytest.raises(UsageError, match=msg):
+            parse_heads(text, MHA)
+
+
+def test_explicit_removal_checks_gqa_and_min_heads():
+    sel = selection_from_removed({0: [0, 3]}, GQA)
+    assert sel.kept[0] == (1, 2, 4, 5)
+    with pytest.raises(UsageError, match="unequal"):
+        selection_from_removed({0: [0]}, GQA)
+    with pytest.raises(UsageError, match="fewer than --min-heads-per-layer"):
+        selection_from_removed({0: [0, 1, 2, 3]}, MHA, min_heads=1)
+    assert selection_from_removed({}, MHA).num_removed(MHA) == 0
+
+
+def test_choose_removal_minimizes_cost_under_the_unit_rules():
+    cost = lambda s: sum({0: 5, 1: 1, 2: 3, 3: 4, 4: 0, 5: 2}[h] for h in s)  # noqa: E731
+    assert choose_removal(GQA[0], 2, "query", cost) == [1, 4]
+    assert choose_removal(GQA[0], 3, "group", cost) == [3, 4, 5]
+    assert len(candidate_sets(GQA[0], 2, "query")) == 9
+    # greedy path (too many candidates) still obeys the unit rule
+    big = LayerHeads(64, 4, 8)
+    out = choose_removal(big, 32, "query", lambda s: float(sum(s)))
+    assert [sum(1 for h in out if big.kv_head_of(h) == k) for k in range(4)] == [8, 8, 8, 8]
