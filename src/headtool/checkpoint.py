@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,42 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
     return "\n".join(lines)
 
 
+def output_kind(model) -> str:
+    """'standard' when the family's own config expresses the heads, else headtool's remote code."""
+    return REMOTE_CODE if getattr(model.config, LAYOUT_KEY, None) else STANDARD
+
+
+@contextmanager
+def temp_folder(target: Path):
+    """A hidden temporary folder beside `target`, removed again if anything fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tmp.exists():  # not moved into place
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finish_folder(tmp: Path, target: Path, *, model, source, tokenizer, meta: dict, card_table: str,
+                  kind: str) -> dict[str, Any]:
+    """Config fix-up, tokenizer, headtool.json and card into `tmp` (weights and config.json
+    already there), then the atomic move to `target`."""
+    _fix_config(tmp, model, kind)
+    _copy_inputs(source, tokenizer, tmp)
+    doc = {"format": FORMAT, **meta,
+           "source": {"path": getattr(source, "path", None), "ref": getattr(source, "ref", None),
+                      "fingerprint": getattr(source, "fingerprint", None), **meta.get("source", {})},
+           "config_kind": kind, "headtool_version": __version__}
+    (tmp / "headtool.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    (tmp / "README.md").write_text(model_card(doc, kind, card_table, _auto_name(model)))
+    files = sorted(p.name for p in tmp.iterdir())
+    _replace(tmp, target)
+    return {"path": str(target), "config_kind": kind, "files": files}
+
+
 def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict, card_table: str = "",
                  overwrite: bool = False, shard_size: str | int = "5GB") -> dict[str, Any]:
     """Write `model` (already resized in memory) as a folder at `out`, atomically.
@@ -170,25 +207,10 @@ def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict
     shard_bytes = parse_size(shard_size)
     if shard_bytes < 1:
         raise UsageError(f"--shard-size must be positive (got {shard_size!r})")
-    kind = REMOTE_CODE if getattr(model.config, LAYOUT_KEY, None) else STANDARD
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with temp_folder(target) as tmp:
         model.save_pretrained(tmp, max_shard_size=shard_bytes)
-        _fix_config(tmp, model, kind)
-        _copy_inputs(source, tokenizer, tmp)
-        doc = {"format": FORMAT, **meta,
-               "source": {"path": getattr(source, "path", None), "ref": getattr(source, "ref", None),
-                          "fingerprint": getattr(source, "fingerprint", None), **meta.get("source", {})},
-               "config_kind": kind, "headtool_version": __version__}
-        (tmp / "headtool.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
-        (tmp / "README.md").write_text(model_card(doc, kind, card_table, _auto_name(model)))
-        files = sorted(p.name for p in tmp.iterdir())
-        _replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"path": str(target), "config_kind": kind, "files": files}
+        return finish_folder(tmp, target, model=model, source=source, tokenizer=tokenizer, meta=meta,
+                             card_table=card_table, kind=output_kind(model))
 
 
 def _auto_name(model) -> str:

@@ -2,7 +2,7 @@
 
 `prune --scores` checks that a score document was made for the same model. Hashing every
 byte of a 70B model is too slow, so we hash the architecture keys, every tensor's name and
-shape, and a strided sample of its values rounded to bfloat16 (so loading the same checkpoint
+shape and a strided sample of its values rounded to bfloat16 (names and order left out: checkpoints may rename) (so loading the same checkpoint
 as float32 or bfloat16 gives the same fingerprint).
 """
 from __future__ import annotations
@@ -37,15 +37,25 @@ def tensor_sample(t: torch.Tensor) -> bytes:
 
 
 def fingerprint_tensors(config_dict: Mapping, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Hash of the config and of every tensor's shape and sampled values, independent of the
+    tensors' names and order (checkpoints may store legacy names, e.g. GPT-NeoX's embed_out)."""
     h = hashlib.sha256(config_digest(config_dict).encode())
-    for name, t in sorted(tensors, key=lambda kv: kv[0]):
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(tensor_sample(t))
+    parts = sorted(str(tuple(t.shape)).encode() + b"|" + tensor_sample(t) for _, t in tensors)
+    for p in parts:
+        h.update(p)
     return "sha256:" + h.hexdigest()[:32]
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """Fingerprint of an in-memory model (tied weights counted once by name)."""
-    sd = model.state_dict()
-    return fingerprint_tensors(model.config.to_dict(), sd.items())
+    """Fingerprint of an in-memory model; a tied tensor counts once (under its first name), as in
+    the saved checkpoint, so that the fingerprint of the files equals the loaded model's."""
+    seen: set[tuple] = set()
+    unique = []
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.device.type != "meta" \
+            else (name,)
+        if key in seen:
+            continue
+        seen.add(key)
+        unique.append((name, t))
+    return fingerprint_tensors(model.config.to_dict(), unique)

@@ -1,0 +1,204 @@
+"""Surgery on checkpoints larger than memory: shard by shard, tensor by tensor, no model built.
+
+Used when no forward pass is needed (prune with a score document or a head list and no
+compensation; convert-gqa with `--merge mean`). The tensor math is the in-memory path's own
+(`surgery.prune_layer_tensors`, `convert.merge_layer`); the config and model card come from a
+model built on the meta device (no memory), so the output folder is the same as in memory.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .arch import Adapter, LayerHeads, adapter_for
+from .errors import UsageError
+from .safetensors_stream import DTYPE_NAMES, LazyCheckpoint, parse_size, write_checkpoint_streaming
+
+LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class CheckpointRef:
+    """A checkpoint on disk, described without loading its weights (quacks like LoadedModel
+    where read_scores, check_output_target and write-out need it)."""
+
+    ref: str
+    path: str
+    config: Any
+    adapter: Adapter
+    lazy: LazyCheckpoint
+    task: str
+    tokenizer: Any = None
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @property
+    def geometry(self) -> list[LayerHeads]:
+        return self.adapter.geometry(self.config)
+
+    @property
+    def fingerprint(self) -> str:
+        """The same fingerprint as `LoadedModel.fingerprint` of the loaded model."""
+        if self._fingerprint is None:
+            from .fingerprint import fingerprint_tensors
+
+            self._fingerprint = fingerprint_tensors(self.config.to_dict(),
+                                                    ((k, self.lazy[k]) for k in self.lazy.keys()))
+        return self._fingerprint
+
+    @property
+    def model(self):
+        """A weightless (meta-device) model: for figures and the output config, never for compute."""
+        return meta_model(self.config, self.task)
+
+
+def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
+    """A local safetensors folder (or packaged model) opened for streaming; UsageError otherwise."""
+    from .loading import load_config, pick_task, resolve_ref
+
+    path, source = resolve_ref(ref)
+    if source == "hub":
+        raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
+    config = load_config(path, source, trust_remote_code)
+    adapter = adapter_for(config)
+    lazy = LazyCheckpoint(path)
+    return CheckpointRef(ref, path, config, adapter, lazy, pick_task(config))
+
+
+def meta_model(config, task: str):
+    """The model built on the meta device: its class, config and head geometry, no weights."""
+    import copy
+
+    from .loading import auto_class
+    from .resize import model_class
+
+    config = copy.deepcopy(config)  # resizing updates the model's config; the checkpoint's stays as read
+    with torch.device("meta"):
+        try:
+            cls = model_class(config, task)
+            return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+        except Exception:  # noqa: BLE001 - fall back to the auto class
+            return auto_class(task).from_config(config)
+
+
+def plan_entries(ck: CheckpointRef, new_geometry: list[LayerHeads]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Output tensor names, dtypes and shapes, computed before any tensor is read."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    keys = ck.lazy.keys()
+    for i, geo in enumerate(new_geometry):
+        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+        for ht in ck.adapter.tensors:
+            key = prefix + ht.name
+            if key not in ck.lazy:
+                if not ht.optional:
+                    raise UsageError(f"weights missing for a layer: {key} is not in the checkpoint")
+                continue
+            shape = list(ck.lazy.index[key].shape)
+            shape[ht.axis] = ht.size(geo)
+            shapes[key] = tuple(shape)
+    return [(e.name, e.dtype, shapes.get(e.name, e.shape)) for e in ck.lazy.index.values()]
+
+
+def layer_of(ck: CheckpointRef) -> dict[str, int]:
+    """Which layer each checkpoint key belongs to (only keys of attention tensors)."""
+    keys = ck.lazy.keys()
+    out = {}
+    for i in range(len(ck.geometry)):
+        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+        for ht in ck.adapter.tensors:
+            out[prefix + ht.name] = i
+    return out
+
+
+def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerHeads], layer_fn: LayerFn, *,
+                   meta: dict, card_table: str = "", overwrite: bool = False,
+                   shard_size: str | int = "5GB") -> dict[str, Any]:
+    """Write the checkpoint with every layer's attention tensors replaced by `layer_fn(i, tensors)`.
+
+    Peak memory: the tensors of one layer's attention plus the one being written.
+    """
+    from .checkpoint import check_output_target, finish_folder, output_kind, temp_folder
+    from .resize import resize_attention
+
+    target = check_output_target(out, ck.path, overwrite)
+    shard_bytes = parse_size(shard_size)
+    entries = plan_entries(ck, new_geometry)
+    owner = layer_of(ck)
+    keys = ck.lazy.keys()
+    done: dict[int, dict[str, torch.Tensor]] = {}
+
+    def produce(name: str) -> torch.Tensor:
+        i = owner.get(name)
+        if i is None:
+            return ck.lazy[name]
+        if i not in done:
+            done.clear()  # one layer at a time
+            prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+            tensors = {prefix + ht.name: ck.lazy[prefix + ht.name] for ht in ck.adapter.tensors
+                       if prefix + ht.name in ck.lazy}
+            done[i] = {**tensors, **layer_fn(i, tensors)}
+        return done[i][name]
+
+    # the output config from a weightless model resized to the new geometry
+    model = meta_model(ck.config, ck.task)
+    old = ck.geometry
+    for i, geo in enumerate(new_geometry):
+        if geo != old[i]:
+            prefix = ck.adapter.layer_prefix(model, i)
+            file_prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+            shapes = {name: shape for name, _, shape in entries if name.startswith(file_prefix)}
+            dtype = next(iter(ck.lazy.index.values())).dtype
+            from .safetensors_stream import DTYPES
+
+            new = {prefix + n[len(file_prefix):]: torch.empty(s, dtype=DTYPES[dtype], device="meta")
+                   for n, s in shapes.items() if owner.get(n) == i}
+            resize_attention(model, ck.adapter, i, geo, new)
+    kind = output_kind(model)
+    with temp_folder(target) as tmp:
+        write_checkpoint_streaming(tmp, entries, produce, shard_bytes)
+        model.config.save_pretrained(tmp)
+        return finish_folder(tmp, target, model=model, source=ck, tokenizer=None, meta=meta,
+                             card_table=card_table, kind=kind)
+
+
+def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]], out: str | Path, *,
+                 meta: dict, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
+    """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming."""
+    from .surgery import keep_for_query_heads, prune_layer_tensors
+
+    geometry = ck.geometry
+    keys = ck.lazy.keys()
+    keeps = [keep_for_query_heads(g, k) for g, k in zip(geometry, kept)]
+    new_geometry = [k.geometry(g) for k, g in zip(keeps, geometry)]
+
+    def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+        return prune_layer_tensors(tensors, ck.adapter, prefix, geometry[i], keeps[i])
+
+    return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
+                          overwrite=overwrite, shard_size=shard_size)
+
+
+def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: dict, card_table: str = "",
+                        overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
+    """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
+    from .convert import check_target, contiguous_groups, merge_layer, read_blocks, write_tensors
+
+    geometry = ck.geometry
+    check_target(ck.adapter, geometry, n_kv)
+    keys = ck.lazy.keys()
+    new_geometry = [LayerHeads(g.num_heads, n_kv, g.head_dim) for g in geometry]
+
+    def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+        geo = geometry[i]
+        blocks = read_blocks(tensors, ck.adapter, prefix, geo)
+        rot = ck.adapter.rotary_dim(ck.config, geo.head_dim)
+        merged = merge_layer(blocks, geo, contiguous_groups(geo, n_kv), "mean", None, rot, bool(ck.adapter.qk_norm))
+        return write_tensors(merged, ck.adapter, prefix, tensors, geo, new_geometry[i])
+
+    return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
+                          overwrite=overwrite, shard_size=shard_size)
