@@ -44,3 +44,14 @@ def minilm():
     from headtool.loading import load_model
 
     return load_model("all-minilm-l6-v2", dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Tiny models run faster on one thread (thread start-up dominates); real models use all cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(before if request.node.get_closest_marker("realmodel") else 1)
+    yield
+    torch.set_num_threads(before)

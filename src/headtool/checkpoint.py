@@ -207,6 +207,9 @@ def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict
     shard_bytes = parse_size(shard_size)
     if shard_bytes < 1:
         raise UsageError(f"--shard-size must be positive (got {shard_size!r})")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; no tqdm bars
     with temp_folder(target) as tmp:
         model.save_pretrained(tmp, max_shard_size=shard_bytes)
         return finish_folder(tmp, target, model=model, source=source, tokenizer=tokenizer, meta=meta,

@@ -34,6 +34,7 @@ from torch import nn
 
 from .arch import Adapter, LayerHeads
 from .console import progress
+from .distributed import combine_means, rank_and_world, shard
 from .errors import HeadtoolError, UsageError
 from .evaluation import to_device
 from .gates import head_gates
@@ -491,6 +492,11 @@ def score_heads(
                            elapsed_s=time.perf_counter() - t_start)
     if not batches:
         raise UsageError(f"--method {method} needs data (--data)")
+    rank, world = rank_and_world()
+    if world > 1:
+        if len(batches) < world:
+            raise UsageError(f"{len(batches)} batches for {world} processes: give more --max-samples")
+        batches = shard(batches)
     n_rounds = iterative or 1
     counts = removal_counts(sum(g.num_heads for g in geometry), n_rounds, fraction, iterative_fraction) \
         if iterative else [0]
@@ -514,6 +520,8 @@ def score_heads(
             else:
                 raw, loss, positions, p = _gradient_round(model, adapter, geometry, batches, objective, estimator,
                                                           alive, seed, bar, task, label)
+            raw, loss, positions = combine_means(raw, loss, positions)  # data parallel: all ranks agree
+            positions = int(positions)
             passes += p
             baseline = loss if baseline is None else baseline
             normed = normalize_scores(raw, norm, alive)

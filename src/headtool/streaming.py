@@ -202,3 +202,33 @@ def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: 
 
     return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
                           overwrite=overwrite, shard_size=shard_size)
+
+
+def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None, target,
+                               min_heads: int, overwrite: bool, shard_size: str | int,
+                               trust_remote_code: bool = False) -> dict:
+    """`prune --streaming`: heads from a score document or a list, removed shard by shard."""
+    from .selection import check_target, parse_heads, select_heads, selection_from_removed
+
+    ck = open_checkpoint(ref, trust_remote_code)
+    from .checkpoint import check_output_target
+
+    check_output_target(out, ck.path, overwrite)
+    geometry = ck.geometry
+    if heads is not None:
+        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
+        score_info = None
+    else:
+        from .scores_doc import read_scores
+
+        check_target(target, geometry)
+        doc = read_scores(scores, ck)
+        selection = select_heads(doc["scores"], geometry, target)
+        score_info = {"from": scores, "method": doc.get("method"), "objective": doc.get("objective")}
+    kept = [list(k) for k in selection.kept]
+    meta = {"operation": "prune", "method": score_info["method"] if score_info else "explicit",
+            "scores": score_info, "streaming": True,
+            "options": {"target": target.describe() if target else None, "heads": heads},
+            "kept_heads": kept}
+    written = stream_prune(ck, kept, out, meta=meta, overwrite=overwrite, shard_size=shard_size)
+    return {**written, "kept_heads": kept}

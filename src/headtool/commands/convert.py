@@ -105,6 +105,9 @@ def convert_gqa_cmd(
     eval_samples: Annotated[int, typer.Option("--eval-samples", help="blocks of --eval-data")] = 32,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
     shard_size: Annotated[str, typer.Option("--shard-size", help="largest safetensors shard")] = "5GB",
+    streaming: Annotated[bool, typer.Option(
+        "--streaming", help="work shard by shard on the safetensors files, never building the model "
+                            "(checkpoints larger than memory; --merge mean with contiguous grouping)")] = False,
     json_out: JsonOpt = False,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
@@ -133,6 +136,22 @@ def convert_gqa_cmd(
         raise UsageError(f"--damping must be >= 0 (got {damping})")
     if output is None:
         raise UsageError("convert-gqa needs -o OUT (the output folder)")
+    if streaming:
+        if methods != ["mean"] or grouping != "contiguous" or refit or eval_data:
+            raise UsageError("--streaming needs no forward pass: use --merge mean --grouping contiguous, "
+                             "without --refit or --eval-data")
+        from ..streaming import open_checkpoint, stream_convert_mean
+
+        ck = open_checkpoint(model, load.trust_remote_code)
+        check_target(ck.adapter, ck.geometry, kv_heads)
+        meta = {"operation": "convert-gqa", "method": "mean", "streaming": True,
+                "num_kv_heads": [kv_heads] * len(ck.geometry),
+                "options": {"kv_heads": kv_heads, "grouping": grouping, "merge": methods}}
+        written = stream_convert_mean(ck, kv_heads, output, meta=meta, overwrite=overwrite, shard_size=shard_size)
+        info(f"written to {written['path']} ({written['config_kind']}, streamed)")
+        if json_out:
+            print_json(written)
+        return
     lm = load_model(model, **load.kwargs())
     check_target(lm.adapter, lm.geometry, kv_heads)
     check_output_target(output, lm.path, overwrite)

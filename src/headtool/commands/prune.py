@@ -63,6 +63,9 @@ def prune_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="plan and summary; nothing written")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
     shard_size: Annotated[str, typer.Option("--shard-size", help="largest safetensors shard")] = "5GB",
+    streaming: Annotated[bool, typer.Option(
+        "--streaming", help="work shard by shard on the safetensors files, never building the model "
+                            "(checkpoints larger than memory; needs --scores or --heads, no --compensate)")] = False,
     json_out: JsonOpt = False,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
@@ -92,6 +95,24 @@ def prune_cmd(
     if not dry_run and not output:
         raise UsageError("give an output folder with -o OUT (or --dry-run)")
     parse_size(shard_size)
+    from ..console import info, print_json
+    from ..selection import Target
+
+    if streaming:
+        if not given or compensate or eval_data or dry_run:
+            raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
+                             "--compensate, --eval-data or --dry-run")
+        from ..streaming import prune_checkpoint_streaming
+
+        target = None if heads is not None else Target(fraction=fraction, num_heads=num_heads, threshold=threshold,
+                                                       scope=scope, min_heads_per_layer=min_heads, unit=unit)
+        written = prune_checkpoint_streaming(model, output, scores=scores, heads=heads, target=target,
+                                             min_heads=min_heads, overwrite=overwrite, shard_size=shard_size,
+                                             trust_remote_code=load.trust_remote_code)
+        info(f"written to {written['path']} ({written['config_kind']}, streamed)")
+        if json_out:
+            print_json(written)
+        return
     lm = load_model(model, **load.kwargs())
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
     if not dry_run:

@@ -1,6 +1,8 @@
 """`headtool score`: the importance of every attention head, as a JSON score document."""
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -70,7 +72,10 @@ def score_cmd(
 
         _pyplot()
     spec = data_spec or DataSpec()
+    from ..distributed import finish, init_from_env, is_main, launched
+
     lm = load_model(model, **load.kwargs())
+    init_from_env(lm.device)
     batches = None
     resolved = None
     if method in DATA_METHODS:
@@ -94,6 +99,12 @@ def score_cmd(
                          label=f"score {model}")
     options = {"seed": spec.seed, "iterative": iterative, "fraction": fraction,
                "iterative_fraction": iterative_fraction, "dtype": load.dtype, "device": str(lm.device)}
+    if launched():
+        options["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        main_rank = is_main()
+        finish()
+        if not main_rank:
+            return  # rank 0 alone writes and prints
     doc = build_document(lm, result, batches.info if batches else None, options)
     title = (f"head scores: {model} ({result.estimator}" + (f", {resolved}" if resolved else "")
              + (f", normalize {norm}" if norm != "none" else "") + ")")

@@ -1,0 +1,98 @@
+"""Streaming surgery on a synthetic Llama-shaped checkpoint larger than a few GB.
+
+Writes the checkpoint tensor by tensor (no model), then times, in one run: a plain copy of the
+shards, `prune --streaming` (one query head of every KV group removed in every layer) and
+`convert-gqa --streaming --merge mean` (8 -> 2 KV heads), each in a fresh subprocess whose
+peak RSS is read from the kernel (ru_maxrss of the child). Prints a table, writes JSON.
+
+    python benchmarks/bench_streaming.py --gb 3.2 --work /tmp/headtool-stream
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic_checkpoint import write_synthetic  # noqa: E402
+
+
+def run_child(args: list[str]) -> tuple[float, float]:
+    """Seconds and peak RSS (MiB) of a fresh `python -m headtool ...` process (its own rusage)."""
+    import os
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "headtool", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    dt = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(err)
+    return dt, usage.ru_maxrss / 1024
+
+
+def copy_shards(src: Path, dst: Path) -> float:
+    dst.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for f in sorted(src.glob("*.safetensors")):
+        shutil.copyfile(f, dst / f.name)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=3.2)
+    ap.add_argument("--shard-gb", type=float, default=1.0)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/headtool-stream"))
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "streaming.json")
+    args = ap.parse_args()
+    shutil.rmtree(args.work, ignore_errors=True)
+    src = args.work / "synthetic"
+    t0 = time.perf_counter()
+    cfg = write_synthetic(src, int(args.gb * 1e9), int(args.shard_gb * 1e9))
+    write_s = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    largest = max(f.stat().st_size for f in src.glob("*.safetensors"))
+    copy_s = copy_shards(src, args.work / "copy")
+    shutil.rmtree(args.work / "copy")
+    groups = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    heads = ";".join(f"{i}:" + ",".join(str(g * groups) for g in range(cfg["num_key_value_heads"]))
+                     for i in range(cfg["num_hidden_layers"]))
+    shard = f"{int(args.shard_gb * 1e9)}"
+    prune_s, prune_rss = run_child(["prune", str(src), "--heads", heads, "--streaming", "-o",
+                                    str(args.work / "pruned"), "--shard-size", shard])
+    shutil.rmtree(args.work / "pruned")
+    conv_s, conv_rss = run_child(["convert-gqa", str(src), "--kv-heads", "2", "--merge", "mean", "--streaming",
+                                  "-o", str(args.work / "converted"), "--shard-size", shard])
+    shutil.rmtree(args.work / "converted")
+    base_s, base_rss = run_child(["--version"])
+    result = {
+        "checkpoint_bytes": size, "largest_shard_bytes": largest, "layers": cfg["num_hidden_layers"],
+        "synthetic_write_s": round(write_s, 1), "copy_s": round(copy_s, 2),
+        "prune": {"seconds": round(prune_s, 2), "time_vs_copy": round(prune_s / copy_s, 2),
+                  "peak_rss_mib": round(prune_rss, 1), "rss_fraction_of_checkpoint": round(prune_rss * 2**20 / size, 3)},
+        "convert_mean": {"seconds": round(conv_s, 2), "time_vs_copy": round(conv_s / copy_s, 2),
+                         "peak_rss_mib": round(conv_rss, 1),
+                         "rss_fraction_of_checkpoint": round(conv_rss * 2**20 / size, 3)},
+        "python_import_rss_mib": round(base_rss, 1),
+        "command": "python benchmarks/bench_streaming.py " + " ".join(sys.argv[1:]),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"checkpoint {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, "
+          f"{cfg['num_hidden_layers']} layers; plain copy {copy_s:.1f} s")
+    print(f"{'operation':<24}{'seconds':>10}{'vs copy':>10}{'peak RSS MiB':>15}{'RSS/ckpt':>10}")
+    for name in ("prune", "convert_mean"):
+        r = result[name]
+        print(f"{name:<24}{r['seconds']:>10.1f}{r['time_vs_copy']:>9.2f}x{r['peak_rss_mib']:>15.0f}"
+              f"{100 * r['rss_fraction_of_checkpoint']:>9.1f}%")
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
