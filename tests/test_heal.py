@@ -1,0 +1,377 @@
+"""`headtool heal`: distillation lowers the loss, outputs load like their inputs, resume is exact."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from headtool.arch import adapter_for
+from headtool.cli import app
+from headtool.data import DataSpec
+from headtool.errors import UsageError
+from headtool.healing import (HealInterrupted, HealOptions, distill_terms, heal_checkpoint, lr_lambda,
+                              state_folder)
+from headtool.loading import load_model
+from headtool.lowrank import LowRankLinear, add_lowrank, merge_lowrank
+from tiny_models import logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: more threads only add contention (10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SMALL = ["--seq-len", "16", "--batch-size", "2", "--eval-samples", "4"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    import pydoc_data.topics as t
+
+    p = tmp_path_factory.mktemp("heal_data") / "text.txt"
+    p.write_text("\n\n".join(list(t.topics.values())[:30]))
+    return p
+
+
+def damaged(model, seed: int = 0):
+    """The same model with head 0 of every layer removed (o_proj columns zeroed) and K perturbed."""
+    m = copy.deepcopy(model)
+    a = adapter_for(m.config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for i, geo in enumerate(a.geometry(m.config)):
+            w = a.o_proj_module(m, i).weight
+            hd = geo.head_dim
+            if a.conv1d:
+                w[:hd, :] = 0
+            else:
+                w[:, :hd] = 0
+            for name, p in a.attention_module(m, i).named_parameters():
+                if p.dim() == 2 and "o_proj" not in name and "c_proj" not in name:
+                    p.mul_(0.7).add_(0.1 * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(teacher folder, damaged student folder) of tiny llama."""
+    root = tmp_path_factory.mktemp("heal_models")
+    teacher = save_tiny("llama", root / "teacher")
+    damaged(tiny_model("llama")).save_pretrained(root / "student")
+    tokenizer_for("llama").save_pretrained(root / "student")
+    return teacher, root / "student"
+
+
+def _heal(student, teacher, out, text, *extra):
+    res = runner.invoke(app, ["heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL,
+                              "-o", str(out), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_heal_lowers_distillation_loss_and_output_loads_like_input(pair, text, tmp_path):
+    teacher, student = pair
+    doc = _heal(student, teacher, tmp_path / "out", text, "--max-steps", "24", "--lr", "3e-3",
+                "--eval-every", "8")
+    assert doc["steps"] == 24 and doc["format"] == "headtool.heal/1"
+    # lower on average: last quarter of steps vs first quarter, and on held-out data
+    assert doc["distill_last_quarter"] < 0.95 * doc["distill_first_quarter"]
+    assert doc["after"]["distill"] < 0.95 * doc["before"]["distill"]
+    assert [e["step"] for e in doc["evals"]] == [0, 8, 16, 24]
+    assert doc["best_step"] == 24 and doc["after"]["step"] == 24
+    assert doc["memory"]["model_bytes_total"] > doc["memory"]["teacher_weights_bytes"] > 0
+
+    # loads like the input: same stock config, same tensors, only attention projections changed
+    src, out = json.loads((student / "config.json").read_text()), json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "auto_map" not in out and out["num_key_value_heads"] == src["num_key_value_heads"]
+    lm = load_model(str(tmp_path / "out"), dtype="float32", device="cpu")
+    a, b = _weights(student), _weights(tmp_path / "out")
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed and all(".self_attn." in k for k in changed)
+    assert json.loads((tmp_path / "out" / "headtool.json").read_text())["operation"] == "heal"
+    assert not state_folder(tmp_path / "out").exists()  # removed after success
+
+    # the healed model is closer to the teacher than the damaged one, on fresh tokens
+    ids = sample_ids("llama", seq=16, seed=5)
+    t = logits_of(load_model(str(teacher), dtype="float32", device="cpu").model, ids)
+    s = logits_of(load_model(str(student), dtype="float32", device="cpu").model, ids)
+    h = logits_of(lm.model, ids)
+    assert (h - t).pow(2).mean() < (s - t).pow(2).mean()
+
+
+@pytest.mark.parametrize("family,mode", [("gpt2", "lora"), ("bert", "attention")])
+def test_heal_other_layouts(family, mode, text, tmp_path):
+    """Conv1D with low-rank adapters (GPT-2) and a masked LM (BERT: KL over MLM logits)."""
+    teacher = save_tiny(family, tmp_path / "t")
+    damaged(tiny_model(family)).save_pretrained(tmp_path / "s")
+    tokenizer_for(family).save_pretrained(tmp_path / "s")
+    doc = _heal(tmp_path / "s", teacher, tmp_path / "o", text, "--max-steps", "16", "--train", mode,
+                "--lr", "1e-2" if mode == "lora" else "3e-3")
+    assert doc["after"]["distill"] < 0.97 * doc["before"]["distill"]
+    assert doc["objective"] == ("mlm" if family == "bert" else "lm")
+    a, b = _weights(tmp_path / "s"), _weights(tmp_path / "o")
+    assert a.keys() == b.keys()  # low-rank factors merged away
+
+
+def test_heal_headless_encoder_matches_hidden_states(text, tmp_path):
+    tiny_model("bert").bert.save_pretrained(tmp_path / "t")
+    damaged(tiny_model("bert").bert).save_pretrained(tmp_path / "s")
+    for f in ("t", "s"):
+        tokenizer_for("bert").save_pretrained(tmp_path / f)
+    doc = _heal(tmp_path / "s", tmp_path / "t", tmp_path / "o", text, "--max-steps", "12", "--lr", "3e-3")
+    assert doc["objective"] == "hidden" and doc["distill_kind"] == "hidden"
+    assert "perplexity" not in doc["before"]
+    assert doc["after"]["distill"] < 0.9 * doc["before"]["distill"]
+    assert load_model(str(tmp_path / "o"), device="cpu").task == "base"
+
+
+def test_heal_really_pruned_non_uniform_student(text, tmp_path):
+    """A student with different heads per layer (headtool's own config + modeling file) stays so."""
+    from headtool.checkpoint import write_output
+    from headtool.resize import resize_attention
+    from headtool.surgery import keep_for_query_heads, prune_layer_tensors
+
+    teacher = save_tiny("llama", tmp_path / "t")
+    lm = load_model(str(teacher), dtype="float32", device="cpu")
+    geo = lm.adapter.geometry(lm.model.config)
+    for layer, kept in ((0, [2, 3]), (1, [0, 2])):
+        keep = keep_for_query_heads(geo[layer], kept)
+        tensors = prune_layer_tensors(lm.model.state_dict(), lm.adapter, lm.adapter.layer_prefix(lm.model, layer),
+                                      geo[layer], keep)
+        resize_attention(lm.model, lm.adapter, layer, keep.geometry(geo[layer]), tensors)
+    write_output(tmp_path / "s", model=lm.model, tokenizer=lm.tokenizer, source=lm, meta={"operation": "prune"})
+    doc = _heal(tmp_path / "s", teacher, tmp_path / "o", text, "--max-steps", "12", "--lr", "3e-3")
+    assert doc["after"]["distill"] < doc["before"]["distill"]
+    assert doc["output"]["config_kind"] == json.loads((tmp_path / "s" / "headtool.json").read_text())["config_kind"]
+    healed = load_model(str(tmp_path / "o"), dtype="float32", device="cpu")
+    assert [g.num_heads for g in healed.geometry] == [2, 2, 4]
+    assert json.loads((tmp_path / "o" / "headtool.json").read_text())["healed_from"]["operation"] == "prune"
+    ids = sample_ids("llama", seq=12)
+    assert torch.isfinite(logits_of(healed.model, ids)).all()
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _spec(text) -> DataSpec:
+    return DataSpec(source=str(text), seq_len=16, batch_size=2, seed=3)
+
+
+@pytest.mark.parametrize("mode", ["attention", "lora"])
+def test_interrupt_and_resume_equals_uninterrupted(pair, text, tmp_path, mode):
+    teacher, student = pair
+    opts = HealOptions(train=mode, max_steps=9, lr=3e-3, save_every=2, eval_every=3, grad_accum=2, seed=3)
+    kw = dict(data=_spec(text), opts=opts, eval_samples=4, load_kwargs={"dtype": "float32", "device": "cpu"})
+    full = heal_checkpoint(str(student), str(teacher), tmp_path / "full", **kw)
+
+    def crash(step, record):
+        if step == 5:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        heal_checkpoint(str(student), str(teacher), tmp_path / "part", callback=crash, **kw)
+    state = state_folder(tmp_path / "part")
+    assert json.loads((state / "state.json").read_text())["step"] == 4  # the last save before the crash
+    assert not (tmp_path / "part").exists()
+    with pytest.raises(UsageError, match="--resume"):  # an unfinished state is never silently discarded
+        heal_checkpoint(str(student), str(teacher), tmp_path / "part", **kw)
+    resumed = heal_checkpoint(str(student), str(teacher), tmp_path / "part", resume=True, **kw)
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == 9
+    assert resumed["train_losses"] == pytest.approx(full["train_losses"], rel=1e-5, abs=1e-7)
+    assert [e["step"] for e in resumed["evals"]] == [e["step"] for e in full["evals"]]
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "part")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert not state.exists()
+
+
+def test_ctrl_c_saves_the_state_of_the_step_and_resumes(pair, text, tmp_path):
+    teacher, student = pair
+    opts = HealOptions(max_steps=6, lr=3e-3, save_every=100, seed=3)
+    kw = dict(data=_spec(text), opts=opts, eval_samples=4, load_kwargs={"dtype": "float32", "device": "cpu"})
+
+    def ctrl_c(step, record):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(HealInterrupted, match="--resume") as e:
+        heal_checkpoint(str(student), str(teacher), tmp_path / "o", callback=ctrl_c, **kw)
+    assert e.value.exit_code == 130
+    assert json.loads((state_folder(tmp_path / "o") / "state.json").read_text())["step"] == 4
+    res = runner.invoke(app, ["heal", str(student), "--teacher", str(teacher), "--data", str(text),
+                              "--seq-len", "16", "--batch-size", "2", "--eval-samples", "4", "--seed", "3",
+                              "--max-steps", "6", "--lr", "3e-3", "--save-every", "100", "--resume",
+                              "-o", str(tmp_path / "o"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["resumed_from"] == 4
+
+
+def test_resume_checks(pair, text, tmp_path):
+    teacher, student = pair
+    base = ["heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL, "-o", str(tmp_path / "o")]
+    res = runner.invoke(app, base + ["--resume"])
+    assert res.exit_code == 2 and "no training state" in res.stderr
+    opts = HealOptions(max_steps=4, save_every=1, lr=3e-3)
+
+    def crash(step, record):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        heal_checkpoint(str(student), str(teacher), tmp_path / "o", data=DataSpec(str(text), seq_len=16, batch_size=2),
+                        opts=opts, eval_samples=4, callback=crash)
+    res = runner.invoke(app, base + ["--resume", "--max-steps", "4", "--save-every", "1", "--lr", "1e-3"])
+    assert res.exit_code == 2 and "lr: saved 0.003, now 0.001" in res.stderr
+    res = runner.invoke(app, base + ["--resume", "--max-steps", "4", "--lr", "3e-3", "--seq-len", "8"])
+    assert res.exit_code == 2 and "differs" in res.stderr  # other data
+    res = runner.invoke(app, base + ["--max-steps", "4"])
+    assert res.exit_code == 2 and "--resume" in res.stderr and "--overwrite" in res.stderr
+    res = runner.invoke(app, base + ["--max-steps", "2", "--overwrite"])  # --overwrite starts over
+    assert res.exit_code == 0, res.output
+
+
+def test_bad_usage(pair, text, tmp_path):
+    teacher, student = pair
+    base = ["heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL]
+    for extra, msg in ((["--train", "mlp"], "--train"), (["--temperature", "0"], "--temperature"),
+                       (["--kl-weight", "0"], "nothing to train"), (["--bf16", "on"], "CUDA")):
+        res = runner.invoke(app, base + ["-o", str(tmp_path / "o"), "--max-steps", "1", *extra])
+        assert res.exit_code == 2 and msg in res.stderr, (extra, res.output)
+    res = runner.invoke(app, base + ["-o", str(student / "inside")])
+    assert res.exit_code == 2 and "inside the input" in res.stderr
+    other = save_tiny("bert", tmp_path / "bert")
+    res = runner.invoke(app, ["heal", str(student), "--teacher", str(other), "--data", str(text), *SMALL,
+                              "-o", str(tmp_path / "o2")])
+    assert res.exit_code == 2 and "tokenizer" in res.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o2").exists()
+
+
+def _rank_main(rank: int, port: int, args: tuple, kw: dict, result: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from headtool.healing import World, finish_world
+
+    try:
+        doc = heal_checkpoint(*args, **kw)
+        if rank == 0:
+            Path(result).write_text(json.dumps(doc))
+    finally:
+        finish_world(World(rank, 2, rank))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_parallel_two_ranks_equal_one_process_with_accumulation(pair, text, tmp_path):
+    """DDP (gloo on CPU), the code path torchrun takes: 2 ranks x 1 batch per step follow the run of
+    1 process x 2 accumulated batches. Ranks are forked (no re-import); `torchrun -m headtool heal`
+    runs the same function (see test_torchrun_cli)."""
+    import multiprocessing as mp
+
+    teacher, student = pair
+    kw = dict(data=_spec(text), eval_samples=4, load_kwargs={"dtype": "float32", "device": "cpu"})
+    one = heal_checkpoint(str(student), str(teacher), tmp_path / "one",
+                          opts=HealOptions(max_steps=4, grad_accum=2, lr=3e-3, seed=3), **kw)
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    args = (str(student), str(teacher), str(tmp_path / "two"))
+    kw2 = dict(kw, opts=HealOptions(max_steps=4, grad_accum=1, lr=3e-3, seed=3))
+    procs = [ctx.Process(target=_rank_main, args=(r, port, args, kw2, str(tmp_path / "two.json"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["world_size"] == 2 and two["tokens"] == one["tokens"]
+    assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HEADTOOL_TEST_TORCHRUN"), reason="set HEADTOOL_TEST_TORCHRUN=1 "
+                    "(starts 2 fresh processes: ~30 s on 2 cores)")
+def test_torchrun_cli(pair, text, tmp_path):
+    teacher, student = pair
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HEADTOOL_NO_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "headtool",
+           "heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL, "--seed", "3",
+           "--max-steps", "4", "--lr", "3e-3", "--device", "cpu", "-o", str(tmp_path / "two"), "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads(proc.stdout)  # only rank 0 prints
+    assert two["world_size"] == 2 and two["steps"] == 4 and (tmp_path / "two" / "config.json").exists()
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lowrank_merge_is_exact(family):
+    model = tiny_model(family)
+    a = adapter_for(model.config)
+    roots = [a.attention_module(model, i) for i in range(3)]
+    names = add_lowrank(model, roots, rank=4, alpha=8, seed=1)
+    assert len(names) == 3 * (2 if family == "gpt2" else 4)
+    ids = sample_ids(family)
+    base = logits_of(model, ids)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LowRankLinear):
+                m.lora_b.normal_()
+    assert [n for n, p in model.named_parameters() if p.requires_grad] and \
+        all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    adapted = logits_of(model, ids)
+    assert (adapted - base).abs().max() > 1e-2
+    assert merge_lowrank(model) == len(names)
+    assert not any(isinstance(m, LowRankLinear) for m in model.modules())
+    torch.testing.assert_close(logits_of(model, ids), adapted, rtol=1e-4, atol=1e-4)
+    assert set(model.state_dict()) == set(tiny_model(family).state_dict())
+
+
+def test_distill_terms_and_schedule():
+    opts = HealOptions(temperature=2.0, lm_weight=0.5)
+    logits = torch.randn(2, 5, 11)
+    batch = {"input_ids": torch.randint(0, 11, (2, 5)), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    same = distill_terms((logits, None), (logits, None), batch, opts, "lm")
+    assert abs(float(same["distill"])) < 1e-6
+    assert float(same["total"]) == pytest.approx(0.5 * float(same["lm"]))
+    t1 = distill_terms((logits, None), (torch.randn(2, 5, 11), None), batch, replace(opts, temperature=1.0), None)
+    assert float(t1["distill"]) > 0 and "lm" not in t1
+    f = lr_lambda(total=100, warmup=10, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(10, 100))
