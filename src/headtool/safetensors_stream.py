@@ -35,6 +35,7 @@ class TensorEntry:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = -1  # absolute byte offset of the data in `file` (-1: not from a header)
 
     @property
     def nbytes(self) -> int:
@@ -85,23 +86,26 @@ def checkpoint_index(folder: str | os.PathLike) -> dict[str, TensorEntry]:
         if not fpath.exists():
             raise UsageError(f"{folder}: shard {fname} named in the index is missing")
         header = read_header(fpath)
+        with open(fpath, "rb") as f:
+            start = 8 + struct.unpack("<Q", f.read(8))[0]
         items = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
                        key=lambda kv: kv[1]["data_offsets"][0])
         for k, v in items:
-            out[k] = TensorEntry(k, fname, v["dtype"], tuple(v["shape"]))
+            out[k] = TensorEntry(k, fname, v["dtype"], tuple(v["shape"]), start + v["data_offsets"][0])
     return out
 
 
 class LazyCheckpoint:
-    """Reads single tensors from a checkpoint folder on demand (memory-mapped)."""
+    """Reads single tensors from a checkpoint folder on demand.
+
+    Plain positioned reads rather than a memory map: mapped pages stay resident (and count in
+    the process's memory) long after a tensor is written out, reads are freed with the tensor.
+    """
 
     def __init__(self, folder: str | os.PathLike):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         self.index = checkpoint_index(folder)
-        self._open = {}
-        self._safe_open = safe_open
+        self._fds: dict[str, int] = {}
 
     def keys(self) -> list[str]:
         return list(self.index)
@@ -111,12 +115,32 @@ class LazyCheckpoint:
 
     def __getitem__(self, key: str) -> torch.Tensor:
         e = self.index[key]
-        if e.file not in self._open:
-            self._open[e.file] = self._safe_open(str(self.folder / e.file), framework="pt")
-        return self._open[e.file].get_tensor(key)
+        if e.file not in self._fds:
+            self._fds[e.file] = os.open(self.folder / e.file, os.O_RDONLY)
+        buf = bytearray(e.nbytes)
+        view, done = memoryview(buf), 0
+        while done < e.nbytes:
+            n = os.preadv(self._fds[e.file], [view[done:]], e.offset + done)
+            if n <= 0:
+                raise UsageError(f"{self.folder / e.file}: truncated while reading {key}")
+            done += n
+        if not buf:
+            return torch.empty(e.shape, dtype=DTYPES[e.dtype])
+        return torch.frombuffer(buf, dtype=DTYPES[e.dtype]).reshape(e.shape)
 
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         return {k: self[k] for k in keys}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None) -> tuple[bytes, list[int]]:
