@@ -21,19 +21,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synthetic_checkpoint import write_synthetic  # noqa: E402
 
 
-def run_child(args: list[str]) -> tuple[float, float]:
-    """Seconds and peak RSS (MiB) of a fresh `python -m headtool ...` process (its own rusage)."""
-    import os
+_WRAPPER = """
+import atexit, runpy, sys
+def _hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM:'):
+            sys.stderr.write('VMHWM_KB ' + line.split()[1] + chr(10))
+atexit.register(_hwm)
+sys.argv = ['headtool', *sys.argv[1:]]
+runpy.run_module('headtool', run_name='__main__')
+"""
 
+
+def run_child(args: list[str]) -> tuple[float, float]:
+    """Seconds and peak RSS (MiB) of a fresh `python -m headtool ...` process.
+
+    The peak is the child's own VmHWM read at exit (rusage's maxrss would include the memory
+    of this parent process at fork time)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "headtool", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    out = subprocess.run([sys.executable, "-c", _WRAPPER, *args], capture_output=True, text=True)
     dt = time.perf_counter() - t0
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(err)
-    return dt, usage.ru_maxrss / 1024
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    kb = [int(line.split()[1]) for line in out.stderr.splitlines() if line.startswith("VMHWM_KB ")]
+    return dt, kb[-1] / 1024
 
 
 def copy_shards(src: Path, dst: Path) -> float:

@@ -128,6 +128,11 @@ class LazyCheckpoint:
             return torch.empty(e.shape, dtype=DTYPES[e.dtype])
         return torch.frombuffer(buf, dtype=DTYPES[e.dtype]).reshape(e.shape)
 
+    def raw(self, key: str) -> RawTensor:
+        """`key` as a pass-through handle (bytes copied file to file by the writer)."""
+        e = self.index[key]
+        return RawTensor(self.folder / e.file, e)
+
     def get_many(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         return {k: self[k] for k in keys}
 
@@ -162,11 +167,38 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...]]], metadata: Map
     return struct.pack("<Q", len(raw)) + raw, sizes
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor):
+    """The raw bytes of `t` as a buffer (a view, no copy, for contiguous CPU tensors)."""
     t = t.detach().contiguous().cpu()
     if t.numel() == 0:
         return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor passed through unchanged: its bytes are copied file to file, never loaded."""
+
+    path: Path
+    entry: TensorEntry
+
+
+def copy_raw(dst, raw: RawTensor, chunk: int = 64 * 2**20) -> None:
+    """Copy a tensor's bytes from its source file into `dst` (kernel copy where available)."""
+    with open(raw.path, "rb") as src:
+        left, off = raw.entry.nbytes, raw.entry.offset
+        dst.flush()
+        while left > 0:
+            n = min(chunk, left)
+            try:
+                done = os.copy_file_range(src.fileno(), dst.fileno(), n, off)
+            except (AttributeError, OSError):
+                src.seek(off)
+                done = dst.write(src.read(n))
+            if done <= 0:
+                raise UsageError(f"{raw.path}: truncated while copying {raw.entry.name}")
+            left -= done
+            off += done
 
 
 def write_streaming(path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]],
@@ -178,12 +210,19 @@ def write_streaming(path: str | os.PathLike, entries: list[tuple[str, str, tuple
         f.write(head)
         for (name, dtype, shape), nbytes in zip(entries, sizes):
             t = produce(name)
+            if isinstance(t, RawTensor):
+                if t.entry.dtype != dtype or tuple(t.entry.shape) != tuple(shape):
+                    raise RuntimeError(f"{name}: passed through as {t.entry.dtype}{t.entry.shape}, planned {dtype}{shape}")
+                copy_raw(f, t)
+                written += nbytes
+                continue
             if tuple(t.shape) != tuple(shape) or DTYPE_NAMES.get(t.dtype) != dtype:
                 raise RuntimeError(f"{name}: produced {DTYPE_NAMES.get(t.dtype)}{tuple(t.shape)}, "
                                    f"planned {dtype}{tuple(shape)}")
             data = tensor_bytes(t)
             assert len(data) == nbytes
             f.write(data)
+            f.flush()
             written += nbytes
             del t, data
         f.flush()

@@ -133,7 +133,7 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
     def produce(name: str) -> torch.Tensor:
         i = owner.get(name)
         if i is None:
-            return ck.lazy[name]
+            return ck.lazy.raw(name)  # unchanged: bytes copied file to file
         if i not in done:
             done.clear()  # one layer at a time
             prefix = ck.adapter.layer_prefix_in_keys(keys, i)
