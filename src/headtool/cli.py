@@ -1,6 +1,7 @@
 """The `headtool` command line: parses, calls the library, renders. No math here."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -48,6 +49,15 @@ class HeadtoolGroup(TyperGroup):
             except OSError:
                 pass
             raise typer.Exit(0) from None
+        except OSError as e:  # a failure of the machine (disk full, permissions): one line, exit 1
+            if _debug():
+                traceback.print_exc()
+            where = f" ({e.filename})" if e.filename else ""
+            what = (f"no space left on device{where}; free some space or write elsewhere"
+                    if e.errno == errno.ENOSPC else f"{e.strerror or str(e).splitlines()[0]}{where}")
+            err_console().print(f"error: {what}", markup=False, style="red",
+                                highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
         except MemoryError:
             err_console().print("error: out of memory; try a smaller --batch-size or --seq-len",
                                 style="red")

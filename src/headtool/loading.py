@@ -5,6 +5,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from .arch import LAYOUT_KEY, Adapter, adapter_for
 from .errors import HeadtoolError, UsageError
@@ -225,6 +228,10 @@ def load_config(path: str, source: str, trust_remote_code: bool = False):
             raw = json.loads(local.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UsageError(f"{local}: config.json is not valid JSON ({e})") from e
+        if raw.get("auto_map") and LAYOUT_KEY not in raw and not trust_remote_code:
+            files = sorted({str(v).split(".")[0] + ".py" for v in raw["auto_map"].values() if isinstance(v, str)})
+            raise UsageError(f"{path}: config.json names its own code ({', '.join(files) or 'auto_map'}), "
+                             "which is not run by default; pass --trust-remote-code if you trust it")
         if LAYOUT_KEY in raw and not trust_remote_code:
             # headtool's own per-layer outputs: build them with headtool's resize, no remote code.
             from .resize import config_from_headtool_folder
@@ -283,6 +290,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         return None
 
 
+def _check_missing(ref: str, missing: list[str]) -> None:
+    """Weights of a transformer layer absent from the checkpoint: refuse (transformers would init them randomly)."""
+    in_layers = [k for k in missing if re.search(r"\.\d+\.", k)]
+    if in_layers:
+        raise UsageError(f"{ref}: the checkpoint is missing {len(in_layers)} layer weight(s), e.g. {in_layers[0]}; "
+                         "the weights file is incomplete")
+    if missing:
+        from .console import warn
+
+        warn(f"{ref}: not in the checkpoint, initialized randomly: {', '.join(missing[:4])}"
+             + (" ..." if len(missing) > 4 else ""))
+
+
 def load_model(
     ref: str,
     *,
@@ -319,13 +339,20 @@ def load_model(
         if getattr(config, LAYOUT_KEY, None) and not trust_remote_code:
             from .resize import load_headtool_folder
 
-            model = load_headtool_folder(path, config, task, **kwargs)
+            model, loading_info = load_headtool_folder(path, config, task, output_loading_info=True, **kwargs)
         else:
-            model = auto_class(task).from_pretrained(
-                path, config=config, trust_remote_code=trust_remote_code, **kwargs
+            model, loading_info = auto_class(task).from_pretrained(
+                path, config=config, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs
             )
+        _check_missing(ref, sorted(loading_info.get("missing_keys") or ()))
     except (UsageError, HeadtoolError):
         raise
+    except pickle.UnpicklingError as e:
+        raise UsageError(f"{ref}: the pickled weights hold more than tensors and are refused (loaded with "
+                         "weights_only); convert them to safetensors from a trusted copy") from e
+    except SafetensorError as e:
+        raise UsageError(f"{ref}: cannot load weights: the safetensors file is corrupt or truncated "
+                         f"({str(e).splitlines()[0]})") from e
     except OSError as e:
         raise UsageError(f"{ref}: cannot load weights: {str(e).splitlines()[0]}") from e
     except (ValueError, RuntimeError, KeyError) as e:

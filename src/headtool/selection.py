@@ -226,8 +226,17 @@ _SEGMENT = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\s*,\s*\d+)*)\s*$")
 
 
 def parse_heads(text: str, geometry: Sequence[LayerHeads]) -> dict[int, list[int]]:
-    """Parse `--heads "3:0,5;7:2"` (heads to remove, `layer:heads`, layers separated by ';')."""
+    """Parse `--heads "3:0,5;7:2"` (heads to remove, `layer:heads`, layers separated by ';').
+
+    An empty string explicitly removes nothing (the output reproduces the model); separators
+    with nothing between them (";;") are a typo and an error.
+    """
     removed: dict[int, set[int]] = {}
+    if not text.strip():
+        return {}
+    if not any(seg.strip() for seg in text.split(";")):
+        raise UsageError(f"--heads {text!r} lists no heads; write layer:head,head;layer:head (e.g. \"3:0,5;7:2\"), "
+                         "or --heads \"\" to remove none")
     for seg in text.split(";"):
         if not seg.strip():
             continue
