@@ -1,9 +1,10 @@
 """A short, dtype-robust fingerprint of a model's config and weights.
 
 `prune --scores` checks that a score document was made for the same model. Hashing every
-byte of a 70B model is too slow, so we hash the architecture keys, every tensor's name and
-shape and a strided sample of its values rounded to bfloat16 (names and order left out: checkpoints may rename) (so loading the same checkpoint
-as float32 or bfloat16 gives the same fingerprint).
+byte of a 70B model is too slow, so we hash the architecture keys and every tensor's shape and
+a strided sample of its values rounded to bfloat16 (so loading the same checkpoint as float32 or
+bfloat16 gives the same fingerprint). Names and order are left out: checkpoints may store
+legacy names, and tied copies count once.
 """
 from __future__ import annotations
 
