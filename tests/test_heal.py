@@ -28,15 +28,6 @@ from tiny_models import logits_of, sample_ids, save_tiny, tiny_model, tokenizer_
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: more threads only add contention (10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 SMALL = ["--seq-len", "16", "--batch-size", "2", "--eval-samples", "4"]
 
 

@@ -21,15 +21,6 @@ from tiny_models import sample_ids, tiny_model
 FIRST_ID = 1  # token id every row starts with in the hand-built llama
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster, and far faster on a crowded machine (no spinning OpenMP workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _batch(ids: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids) if mask is None else mask}
 

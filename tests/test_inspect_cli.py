@@ -5,7 +5,6 @@ import json
 import sys
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from conftest import needs_smollm2
@@ -14,15 +13,6 @@ from tiny_models import save_tiny
 
 runner = CliRunner()
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster, and far faster on a crowded machine (no spinning OpenMP workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

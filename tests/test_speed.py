@@ -17,15 +17,6 @@ from tiny_models import save_tiny, sample_ids, tiny_model
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster, and far faster on a crowded machine (no spinning OpenMP workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def two_llamas(tmp_path_factory):
     root = tmp_path_factory.mktemp("speed")

@@ -49,7 +49,7 @@ class Context:
 def check_geometry(ctx: Context) -> None:
     """Targets that are impossible for this model, all reported at once before any step runs."""
     from .convert import check_target as check_kv
-    from .selection import Target, check_target
+    from .selection import check_target
 
     problems: list[str] = []
     geometry = ctx.lm.geometry

@@ -7,16 +7,15 @@ model built on the meta device (no memory), so the output folder is the same as 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 from .arch import Adapter, LayerHeads, adapter_for
 from .errors import UsageError
-from .safetensors_stream import DTYPE_NAMES, LazyCheckpoint, parse_size, write_checkpoint_streaming
+from .safetensors_stream import LazyCheckpoint, parse_size, write_checkpoint_streaming
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 

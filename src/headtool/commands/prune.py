@@ -95,9 +95,6 @@ def prune_cmd(
     if not dry_run and not output:
         raise UsageError("give an output folder with -o OUT (or --dry-run)")
     parse_size(shard_size)
-    from ..console import info, print_json
-    from ..selection import Target
-
     if streaming:
         if not given or compensate or eval_data or dry_run:
             raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
