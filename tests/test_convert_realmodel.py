@@ -14,8 +14,8 @@ def test_smollm2_fit_beats_mean_by_far(smollm2):
     from headtool.data import DataSpec, make_batches
     from headtool.evaluation import evaluate
 
-    cal = make_batches(DataSpec(seq_len=64, batch_size=8, max_samples=16), smollm2.tokenizer, "lm")
-    ev = make_batches(DataSpec(seq_len=64, batch_size=8, max_samples=8, skip_samples=16), smollm2.tokenizer, "lm")
+    cal = make_batches(DataSpec(seq_len=64, batch_size=8, max_samples=8), smollm2.tokenizer, "lm")
+    ev = make_batches(DataSpec(seq_len=64, batch_size=4, max_samples=4, skip_samples=8), smollm2.tokenizer, "lm")
     grams = attention_input_grams(smollm2.model, smollm2.adapter, cal.batches)
     ppl = {}
     for method in ("mean", "fit"):

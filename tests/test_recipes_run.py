@@ -69,3 +69,17 @@ def test_impossible_targets_are_found_before_running(tiny_folders, tmp_path):
     res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "o")])
     assert res.exit_code == 2, res.output
     assert "2 problem(s)" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_recipe_with_a_heal_step(tiny_folders, tmp_path):
+    r = tmp_path / "heal.yaml"
+    r.write_text(f"model: {tiny_folders['decoder']}\ndtype: float32\nseed: 0\n"
+                 "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 8}\n"
+                 "steps:\n  - prune: {heads: '0:0,2;1:1,3'}\n  - heal: {max_steps: 4, num_tokens: 256}\n"
+                 "  - eval: {data: {skip_samples: 40, max_samples: 4}}\n")
+    res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    steps = json.loads(res.stdout)["steps"]
+    assert [s["step"] for s in steps] == ["load", "prune", "heal", "eval"]
+    assert steps[2]["steps"] == 4 and steps[1]["heads"] == 8
+    assert (tmp_path / "out" / "headtool.json").exists()

@@ -179,16 +179,11 @@ def eval_cmd(
 
 
 def _register_commands() -> None:
-    """Commands living in their own modules register themselves here."""
-    import importlib
+    """Commands living in their own modules register themselves here (imports stay light:
+    each command imports torch-heavy modules only when it runs)."""
+    from .commands import convert, demo, heal, inspect, prune, recipes, score
 
-    for name in ("score", "prune", "convert", "inspect", "heal", "recipes", "demo"):
-        try:
-            mod = importlib.import_module(f".commands.{name}", __package__)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.endswith(f"commands.{name}"):
-                continue
-            raise
+    for mod in (score, prune, convert, inspect, heal, recipes, demo):
         mod.register(app)
 
 

@@ -24,7 +24,7 @@ DEFAULT_CALIBRATION = 32  # blocks, when a step's data block gives no max_sample
 
 
 def _spec(block: dict[str, Any] | None, default_samples: int | None = DEFAULT_CALIBRATION) -> DataSpec:
-    block = dict(block or {})
+    block = {k: v for k, v in (block or {}).items() if v is not None}
     if "max_samples" not in block and "num_tokens" not in block and default_samples:
         block["max_samples"] = default_samples
     return DataSpec(**block)
@@ -193,7 +193,10 @@ def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
     objective = ctx.objective()
     objective = None if objective == "kl" else objective
     task = DATA_TASK[objective or "kl"]
-    train = ctx.batches(step_data(ctx.recipe, step), task, 64)
+    block = step_data(ctx.recipe, step) or {}
+    if step.get("num_tokens"):  # the heal budget in tokens caps the training data
+        block = {**block, "num_tokens": step["num_tokens"], "max_samples": None}
+    train = ctx.batches(block, task, 64)
     ev_block = step_data(ctx.recipe, step, "eval_data") or {**(step_data(ctx.recipe, step) or {}),
                                                             "skip_samples": train.info["samples"]}
     ev = ctx.batches(ev_block, task, 8)
