@@ -37,10 +37,15 @@ def count_params(model: torch.nn.Module) -> int:
     return total
 
 
+def kv_cache_bytes_per_layer(geometry: list[LayerHeads], dtype: torch.dtype) -> list[int]:
+    """K and V bytes one token adds to each layer's cache."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return [2 * g.num_kv_heads * g.head_dim * elem for g in geometry]
+
+
 def kv_cache_bytes_per_token(geometry: list[LayerHeads], dtype: torch.dtype) -> int:
     """K and V bytes one token adds to the cache, summed over layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * g.num_kv_heads * g.head_dim * elem for g in geometry)
+    return sum(kv_cache_bytes_per_layer(geometry, dtype))
 
 
 def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
@@ -50,6 +55,7 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     params = dict(model.named_parameters())
     attn = sum(params[n].numel() for n in attention_param_names(model, adapter))
     dtype = next(model.parameters()).dtype
+    per_layer = kv_cache_bytes_per_layer(geometry, dtype)
     return {
         "model_type": config.model_type,
         "family": adapter.family,
@@ -64,9 +70,7 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
         "params": count_params(model),
         "attention_params": attn,
         "dtype": str(dtype).replace("torch.", ""),
-        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(geometry, dtype),
-        "kv_cache_bytes_per_token_per_layer": [
-            2 * g.num_kv_heads * g.head_dim * torch.empty((), dtype=dtype).element_size() for g in geometry
-        ],
+        "kv_cache_bytes_per_token": sum(per_layer),
+        "kv_cache_bytes_per_token_per_layer": per_layer,
         "grouped_query": any(g.num_kv_heads != g.num_heads for g in geometry),
     }

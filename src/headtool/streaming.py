@@ -15,7 +15,7 @@ import torch
 
 from .arch import Adapter, LayerHeads, adapter_for
 from .errors import UsageError
-from .safetensors_stream import LazyCheckpoint, parse_size, write_checkpoint_streaming
+from .safetensors_stream import DTYPES, LazyCheckpoint, parse_size, write_checkpoint_streaming
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -33,10 +33,19 @@ class CheckpointRef:
     task: str
     tokenizer: Any = None
     _fingerprint: str | None = field(default=None, repr=False)
+    _prefixes: list[str] | None = field(default=None, repr=False)
 
     @property
     def geometry(self) -> list[LayerHeads]:
         return self.adapter.geometry(self.config)
+
+    @property
+    def layer_prefixes(self) -> list[str]:
+        """Each layer's key prefix in the checkpoint (found once: a scan over all keys)."""
+        if self._prefixes is None:
+            keys = self.lazy.keys()
+            self._prefixes = [self.adapter.layer_prefix_in_keys(keys, i) for i in range(len(self.geometry))]
+        return self._prefixes
 
     @property
     def fingerprint(self) -> str:
@@ -86,9 +95,7 @@ def meta_model(config, task: str):
 def plan_entries(ck: CheckpointRef, new_geometry: list[LayerHeads]) -> list[tuple[str, str, tuple[int, ...]]]:
     """Output tensor names, dtypes and shapes, computed before any tensor is read."""
     shapes: dict[str, tuple[int, ...]] = {}
-    keys = ck.lazy.keys()
-    for i, geo in enumerate(new_geometry):
-        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+    for prefix, geo in zip(ck.layer_prefixes, new_geometry):
         for ht in ck.adapter.tensors:
             key = prefix + ht.name
             if key not in ck.lazy:
@@ -103,10 +110,8 @@ def plan_entries(ck: CheckpointRef, new_geometry: list[LayerHeads]) -> list[tupl
 
 def layer_of(ck: CheckpointRef) -> dict[str, int]:
     """Which layer each checkpoint key belongs to (only keys of attention tensors)."""
-    keys = ck.lazy.keys()
     out = {}
-    for i in range(len(ck.geometry)):
-        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+    for i, prefix in enumerate(ck.layer_prefixes):
         for ht in ck.adapter.tensors:
             out[prefix + ht.name] = i
     return out
@@ -126,7 +131,6 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
     shard_bytes = parse_size(shard_size)
     entries = plan_entries(ck, new_geometry)
     owner = layer_of(ck)
-    keys = ck.lazy.keys()
     done: dict[int, dict[str, torch.Tensor]] = {}
 
     def produce(name: str) -> torch.Tensor:
@@ -135,7 +139,7 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
             return ck.lazy.raw(name)  # unchanged: bytes copied file to file
         if i not in done:
             done.clear()  # one layer at a time
-            prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+            prefix = ck.layer_prefixes[i]
             tensors = {prefix + ht.name: ck.lazy[prefix + ht.name] for ht in ck.adapter.tensors
                        if prefix + ht.name in ck.lazy}
             done[i] = {**tensors, **layer_fn(i, tensors)}
@@ -143,17 +147,12 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
 
     # the output config from a weightless model resized to the new geometry
     model = meta_model(ck.config, ck.task)
-    old = ck.geometry
-    for i, geo in enumerate(new_geometry):
-        if geo != old[i]:
-            prefix = ck.adapter.layer_prefix(model, i)
-            file_prefix = ck.adapter.layer_prefix_in_keys(keys, i)
-            shapes = {name: shape for name, _, shape in entries if name.startswith(file_prefix)}
-            dtype = next(iter(ck.lazy.index.values())).dtype
-            from .safetensors_stream import DTYPES
-
-            new = {prefix + n[len(file_prefix):]: torch.empty(s, dtype=DTYPES[dtype], device="meta")
-                   for n, s in shapes.items() if owner.get(n) == i}
+    planned = {name: (DTYPES[dtype], shape) for name, dtype, shape in entries}
+    for i, (geo, old) in enumerate(zip(new_geometry, ck.geometry)):
+        if geo != old:
+            prefix, file_prefix = ck.adapter.layer_prefix(model, i), ck.layer_prefixes[i]
+            new = {prefix + n[len(file_prefix):]: torch.empty(planned[n][1], dtype=planned[n][0], device="meta")
+                   for n, layer in owner.items() if layer == i and n in planned}
             resize_attention(model, ck.adapter, i, geo, new)
     kind = output_kind(model)
     with temp_folder(target) as tmp:
@@ -169,13 +168,11 @@ def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]
     from .surgery import keep_for_query_heads, prune_layer_tensors
 
     geometry = ck.geometry
-    keys = ck.lazy.keys()
     keeps = [keep_for_query_heads(g, k) for g, k in zip(geometry, kept)]
     new_geometry = [k.geometry(g) for k, g in zip(keeps, geometry)]
 
     def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
-        return prune_layer_tensors(tensors, ck.adapter, prefix, geometry[i], keeps[i])
+        return prune_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geometry[i], keeps[i])
 
     return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
                           overwrite=overwrite, shard_size=shard_size)
@@ -188,11 +185,10 @@ def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: 
 
     geometry = ck.geometry
     check_target(ck.adapter, geometry, n_kv)
-    keys = ck.lazy.keys()
     new_geometry = [LayerHeads(g.num_heads, n_kv, g.head_dim) for g in geometry]
 
     def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = ck.adapter.layer_prefix_in_keys(keys, i)
+        prefix = ck.layer_prefixes[i]
         geo = geometry[i]
         blocks = read_blocks(tensors, ck.adapter, prefix, geo)
         rot = ck.adapter.rotary_dim(ck.config, geo.head_dim)
