@@ -220,3 +220,19 @@ def test_bad_targets_exit_2_with_one_line_and_write_nothing(llama_src, tmp_path)
     r = _prune(llama_src, "--heads", "0:0,2", "-o", existing, "--overwrite")
     assert r.exit_code == 0 and (existing / "headtool.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_sequential_calibration_writes_the_same_checkpoint(llama_src, tmp_path):
+    """--sequential (model kept on CPU, one layer at a time on --device) changes where, not what."""
+    from safetensors.torch import load_file
+
+    args = ["--heads", "0:1,2;2:0,3", "--data", "builtin:pydoc", "--max-samples", "4", "--seq-len", "16",
+            "--compensate", "--device", "cpu"]
+    plain, seq = tmp_path / "plain", tmp_path / "seq"
+    assert _prune(llama_src, *args, "-o", plain).exit_code == 0
+    r = _prune(llama_src, *args, "--sequential", "-o", seq)
+    assert r.exit_code == 0, r.stderr
+    a, b = load_file(plain / "model.safetensors"), load_file(seq / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bad = _prune(llama_src, *args, "--sequential", "--device-map", "auto", "-o", tmp_path / "bad")
+    assert bad.exit_code == 2 and "--sequential" in bad.stderr

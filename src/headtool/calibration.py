@@ -16,7 +16,7 @@ from torch import nn
 
 from .arch import Adapter
 from .console import progress
-from .evaluation import to_device
+from .layerwise import Replayer, real_tokens, record_inputs
 
 
 @torch.no_grad()
@@ -25,41 +25,45 @@ def attention_input_grams(
     adapter: Adapter,
     batches: Sequence[dict],
     layers: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
 ) -> dict[int, torch.Tensor]:
     """E[x~ x~^T] (float64, [D+1, D+1], last coordinate the constant 1) per layer.
 
-    Averaged over the real (attention-mask) tokens of `batches`; padding is left out.
+    Averaged over the real (attention-mask) tokens of `batches`; padding is left out. The
+    layers run one at a time on cached hidden states (layerwise.py); with `device`, the model
+    stays where it is and each layer moves to `device` only while it runs.
     """
     layers = list(range(adapter.num_layers(model.config))) if layers is None else list(layers)
-    device = next(model.parameters()).device
+    wanted = set(layers)
+    inputs = record_inputs(model, adapter, batches, store="cpu" if device is not None else None)
+    replay = Replayer(inputs, device)
+    count = sum(float(m.sum()) if m is not None else float(h.shape[0] * h.shape[1])
+                for h, m in zip(inputs.hidden, inputs.masks))
     sums: dict[int, torch.Tensor] = {}
-    state: dict[str, torch.Tensor | None] = {"mask": None}
-    count = [0.0]
+    state: dict = {}
+
+    def before(b: int, dev) -> None:
+        state["mask"] = replay.mask(b, dev)
 
     def make(i: int):
         def hook(module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().to(torch.float64)
-            x = x.reshape(-1, x.shape[-1])
-            m = state["mask"]
-            if m is not None:
-                x = x[m.reshape(-1).to(x.device).bool()]
+            x = real_tokens(args[0].detach(), state["mask"]).to(torch.float64)
             xa = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-            g = xa.T @ xa
+            g = (xa.T @ xa).cpu()
             sums[i] = g if i not in sums else sums[i] + g
         return hook
 
-    handles = [adapter.projection_module(model, i, "q").register_forward_pre_hook(make(i)) for i in layers]
-    try:
-        with progress() as bar:
-            task = bar.add_task("calibrating", total=len(batches), rate="")
-            for batch in batches:
-                b = to_device(batch, device)
-                mask = b.get("attention_mask")
-                state["mask"] = mask
-                count[0] += float(mask.sum()) if mask is not None else float(b["input_ids"].numel())
-                model(input_ids=b["input_ids"], attention_mask=mask)
-                bar.update(task, advance=1)
-    finally:
-        for h in handles:
-            h.remove()
-    return {i: (sums[i] / max(count[0], 1.0)).cpu() for i in layers}
+    hidden = inputs.hidden
+    last = max(layers) if layers else -1
+    with progress() as bar:
+        task = bar.add_task("calibrating", total=last + 1, rate="")
+        for i in range(last + 1):
+            handle = (adapter.projection_module(model, i, "q").register_forward_pre_hook(make(i))
+                      if i in wanted else None)
+            try:
+                hidden = replay.run(adapter.layer_module(model, i), i, hidden, before_batch=before)
+            finally:
+                if handle is not None:
+                    handle.remove()
+            bar.update(task, advance=1)
+    return {i: sums[i] / max(count, 1.0) for i in layers}

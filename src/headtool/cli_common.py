@@ -6,6 +6,7 @@ so every command spells them the same way and none repeats the list.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -115,6 +116,24 @@ def data_options(required: bool = False, default: str | None = "builtin:pydoc") 
         return _inject(fn, _data_params(required, default), pack)
 
     return deco
+
+
+SequentialOpt = Annotated[bool, typer.Option(
+    "--sequential", help="models larger than the device: keep the model on CPU and move one layer at a "
+                         "time to --device for calibration (scoring and --eval-data run on CPU)",
+    rich_help_panel="Model")]
+
+
+def sequential_placement(load: LoadOptions, sequential: bool) -> tuple[LoadOptions, Any]:
+    """(how to load, the device each layer visits during calibration or None) for --sequential."""
+    if not sequential:
+        return load, None
+    from .errors import UsageError
+    from .loading import resolve_device
+
+    if load.device_map:
+        raise UsageError("--sequential places layers itself: leave out --device-map")
+    return dataclasses.replace(load, device="cpu"), resolve_device(load.device)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]

@@ -9,8 +9,10 @@ statistics give the error of any weights, and the OBS identity gives, in closed 
 error left after refitting without any subset of the input columns (which heads to remove).
 
 Calibration is sequential: layer l is fitted on inputs produced by the modified model whose
-earlier layers are already changed and refit. The original's outputs are captured for all
-layers in one pass first, so `original` may be the very model that is modified afterwards.
+earlier layers are already changed and refit. The layers are replayed one at a time on cached
+hidden states (layerwise.py), the original's and the modified model's side by side, so each
+layer costs one pass per model, and `original` may be the very model that is modified as it
+goes (each layer's targets are taken before the layer is changed).
 """
 from __future__ import annotations
 
@@ -23,11 +25,7 @@ from torch import nn
 
 from .arch import Adapter, LayerHeads
 from .console import progress
-from .evaluation import to_device
-
-
-class _Stop(Exception):
-    """Raised in a hook to end a forward pass once the layer of interest has been seen."""
+from .layerwise import Replayer, real_tokens, record_inputs
 
 
 @dataclass
@@ -127,77 +125,86 @@ def removal_cost(stats: LayerStats, damping: float, adapter: Adapter, geo: Layer
 
 
 # ----------------------------------------------------------------------------- collecting
-@torch.no_grad()
-def capture_targets(model: nn.Module, adapter: Adapter, batches: Sequence[dict], layers: Sequence[int]
-                    ) -> list[dict[int, torch.Tensor]]:
-    """Per batch, the output-projection output of `layers` on real tokens ([N, hidden], CPU fp32)."""
-    device = next(model.parameters()).device
-    out: list[dict[int, torch.Tensor]] = []
-    current: dict[int, torch.Tensor] = {}
-    state: dict = {}
-
-    def make(i: int):
-        def hook(module, args, output):
-            y = output[0] if isinstance(output, tuple) else output
-            current[i] = _real_tokens(y, state["mask"]).float().cpu()
-        return hook
-
-    handles = [adapter.o_proj_module(model, i).register_forward_hook(make(i)) for i in layers]
-    try:
-        for batch in batches:
-            b = to_device(batch, device)
-            state["mask"] = b.get("attention_mask")
-            current = {}
-            model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"))
-            out.append(current)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
-
-
-def _real_tokens(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    t = t.reshape(-1, t.shape[-1])
-    if mask is None:
-        return t
-    return t[mask.reshape(-1).to(t.device).bool()]
-
-
-@torch.no_grad()
-def layer_stats(model: nn.Module, adapter: Adapter, layer: int, batches: Sequence[dict],
-                targets: Sequence[dict[int, torch.Tensor]]) -> LayerStats:
-    """Accumulate G, C, tr(YᵀY) for `layer` of `model` (forward passes stop after that layer)."""
-    device = next(model.parameters()).device
-    module = adapter.o_proj_module(model, layer)
-    bias = getattr(module, "bias", None) is not None
-    state: dict = {}
-
-    def hook(mod, args):
-        state["x"] = _real_tokens(args[0], state["mask"])
-        raise _Stop
-
+def _accumulate(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], bias: bool) -> LayerStats:
+    """G, C, tr(YᵀY) from per-batch inputs X' and targets Y ([N, features] each)."""
     G = C = None
     yy, tokens = 0.0, 0
-    handle = module.register_forward_pre_hook(hook)
-    try:
-        for batch, tgt in zip(batches, targets):
-            b = to_device(batch, device)
-            state["mask"] = b.get("attention_mask")
-            try:
-                model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"))
-            except _Stop:
-                pass
-            x = state.pop("x").to(torch.float64).cpu()
-            if bias:
-                x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-            y = tgt[layer].to(torch.float64)
-            G = x.T @ x if G is None else G + x.T @ x
-            C = x.T @ y if C is None else C + x.T @ y
-            yy += float((y * y).sum())
-            tokens += x.shape[0]
-    finally:
-        handle.remove()
+    for x, y in zip(xs, ys):
+        x = x.to(torch.float64).cpu()
+        if bias:
+            x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+        y = y.to(torch.float64).cpu()
+        G = x.T @ x if G is None else G + x.T @ x
+        C = x.T @ y if C is None else C + x.T @ y
+        yy += float((y * y).sum())
+        tokens += x.shape[0]
     return LayerStats(G, C, yy, tokens, bias)
+
+
+class _Stream:
+    """One set of batches flowing through the original and the modified model, layer by layer.
+
+    `orig` / `mod` are the hidden states entering the current layer in each model; while
+    nothing has been changed yet (`original` is `modified`) they are the same list.
+    """
+
+    def __init__(self, original: nn.Module, modified: nn.Module, adapter: Adapter, batches: Sequence[dict],
+                 device, store):
+        self.inputs = record_inputs(modified, adapter, batches, store=store)
+        self.replay = Replayer(self.inputs, device)
+        self.orig = self.inputs.hidden
+        self.mod = self.orig
+        self.diverged = original is not modified
+
+    def _run_capturing(self, layer: nn.Module, o_proj: nn.Module, index: int, hidden, want_x: bool,
+                       want_y: bool):
+        """Run `layer` on `hidden`; o_proj's inputs X and/or outputs Y on the real tokens, per batch."""
+        xs: list[torch.Tensor] = []
+        ys: list[torch.Tensor] = []
+        state: dict = {}
+
+        def before(b: int, dev) -> None:
+            state["mask"] = self.replay.mask(b, dev)
+
+        def grab_x(module, args):
+            xs.append(real_tokens(args[0], state["mask"]).float().cpu())
+
+        def grab_y(module, args, out):
+            ys.append(real_tokens(out[0] if isinstance(out, tuple) else out, state["mask"]).float().cpu())
+
+        handles = ([o_proj.register_forward_pre_hook(grab_x)] if want_x else []) + \
+                  ([o_proj.register_forward_hook(grab_y)] if want_y else [])
+        try:
+            outs = self.replay.run(layer, index, hidden, before_batch=before)
+        finally:
+            for h in handles:
+                h.remove()
+        return outs, xs, ys
+
+    def layer_stats(self, original, modified, adapter: Adapter, index: int) -> LayerStats:
+        """Statistics of layer `index` (modified's input X' against original's output Y); advances `orig`."""
+        lo, o_orig = adapter.layer_module(original, index), adapter.o_proj_module(original, index)
+        o_mod = adapter.o_proj_module(modified, index)
+        if self.diverged:
+            self.orig, _, ys = self._run_capturing(lo, o_orig, index, self.orig, False, True)
+            _, xs, _ = self._run_capturing(adapter.layer_module(modified, index), o_mod, index, self.mod, True, False)
+        else:  # the same model on the same inputs: one pass gives both
+            self.orig, xs, ys = self._run_capturing(lo, o_orig, index, self.orig, True, True)
+        return _accumulate(xs, ys, getattr(o_mod, "bias", None) is not None)
+
+    def advance_modified(self, modified, adapter: Adapter, index: int, changed: bool) -> None:
+        """Move `mod` past layer `index` of the (now changed) modified model."""
+        if changed or self.diverged:
+            self.mod = self.replay.run(adapter.layer_module(modified, index), index, self.mod)
+            self.diverged = True
+        else:
+            self.mod = self.orig
+
+    def advance_both(self, original, modified, adapter: Adapter, index: int) -> None:
+        """Move both streams past a layer that is not refit."""
+        self.orig = self.replay.run(adapter.layer_module(original, index), index, self.orig)
+        self.mod = (self.replay.run(adapter.layer_module(modified, index), index, self.mod)
+                    if self.diverged else self.orig)
 
 
 # ----------------------------------------------------------------------------- the refit
@@ -216,24 +223,38 @@ def sequential_refit(
     damping: float = 1e-2,
     heldout_batches: Sequence[dict] | None = None,
     on_layer: OnLayer | None = None,
+    device: torch.device | str | None = None,
 ) -> list[dict]:
     """Refit `modified`'s output projections, layer by layer, to reproduce `original`'s.
 
     Returns per layer {layer, rel_error_before, rel_error_after, kept} (and the held-out
     errors when `heldout_batches` are given: a refit is kept only if it lowers them).
-    `original` may be `modified` itself when `on_layer` makes the changes (targets are
-    captured before anything is touched).
+    `original` may be `modified` itself when `on_layer` makes the changes: each layer's
+    targets are taken before `on_layer` touches it.
+
+    The layers are replayed one at a time on cached hidden states (layerwise.py): one pass
+    per layer and model. With `device`, the models stay where they are (e.g. on CPU, hidden
+    states too) and each layer moves to `device` only while it runs.
     """
     n_layers = adapter.num_layers(modified.config)
     layers = sorted(range(n_layers) if layers is None else set(layers))
-    targets = capture_targets(original, adapter, batches, layers)
-    held_targets = capture_targets(original, adapter, heldout_batches, layers) if heldout_batches else None
+    if not layers:
+        return []
+    store = "cpu" if device is not None else None
+    streams = [_Stream(original, modified, adapter, batches, device, store)]
+    if heldout_batches:
+        streams.append(_Stream(original, modified, adapter, heldout_batches, device, store))
+    todo = set(layers)
     report = []
     with progress() as bar:
         task = bar.add_task("refit", total=len(layers), rate="")
-        for layer in layers:
-            stats = layer_stats(modified, adapter, layer, batches, targets)
-            held = layer_stats(modified, adapter, layer, heldout_batches, held_targets) if held_targets else None
+        for layer in range(layers[-1] + 1):
+            if layer not in todo:
+                for s in streams:
+                    s.advance_both(original, modified, adapter, layer)
+                continue
+            stats = streams[0].layer_stats(original, modified, adapter, layer)
+            held = streams[1].layer_stats(original, modified, adapter, layer) if heldout_batches else None
             columns = on_layer(layer, stats, held) if on_layer else None
             if columns is not None:
                 stats = stats.restrict(columns)
@@ -253,6 +274,10 @@ def sequential_refit(
             row["kept"] = bool(keep)
             if keep:
                 set_o_proj_matrix(adapter, module, w_new)
+            changed = keep or columns is not None or original is not modified
+            for s in streams:
+                if layer < layers[-1]:
+                    s.advance_modified(modified, adapter, layer, changed)
             report.append(row)
             bar.update(task, advance=1, rate=f"layer {layer}: {row['rel_error_before']:.3g} -> "
                                              f"{row['rel_error_after']:.3g}")

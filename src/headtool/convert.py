@@ -519,12 +519,13 @@ class Converted:
 def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: str = "contiguous",
                   grams: Mapping[int, torch.Tensor] | None = None, refit: bool = False,
                   batches: Sequence[dict] | None = None, heldout_batches: Sequence[dict] | None = None,
-                  damping: float = 1e-2) -> Converted:
+                  damping: float = 1e-2, calib_device=None) -> Converted:
     """A converted copy of `original` (left untouched) with `n` KV heads per layer.
 
     With `refit`, the output projections are refit sequentially through the layers on
     `batches` (each layer fed by the already converted and refit earlier ones), damped, and a
-    layer's refit is kept only when it lowers the error on `heldout_batches`.
+    layer's refit is kept only when it lowers the error on `heldout_batches`. With
+    `calib_device`, the refit moves one layer at a time to that device (the model stays put).
     """
     import copy
     import time
@@ -541,5 +542,5 @@ def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: 
         from .compensation import sequential_refit
 
         report = sequential_refit(original, model, adapter, batches, damping=damping,
-                                  heldout_batches=heldout_batches)
+                                  heldout_batches=heldout_batches, device=calib_device)
     return Converted(method, model, plans, report, time.perf_counter() - t0)

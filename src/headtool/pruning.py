@@ -100,6 +100,7 @@ def prune(
     damping: float = 1e-2,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
+    calib_device=None,
 ) -> PruneResult:
     """Prune `loaded.model` in place to `selection` and return the summary figures.
 
@@ -107,7 +108,8 @@ def prune(
     to remove are chosen (`choose_in_layer` 'refit': the set whose removal leaves the least
     error after refitting, with the count per layer from `selection`; 'scores': exactly
     `selection`), removed, and the output projection refit by ridge least squares to the
-    original attention output (sequential calibration, see compensation.py).
+    original attention output (sequential calibration, see compensation.py). With
+    `calib_device`, the model stays where it is and each layer visits that device in turn.
     """
     from .modelinfo import model_info
 
@@ -144,7 +146,7 @@ def prune(
 
         layers = [i for i, g in enumerate(geometry) if refit_layers == "all" or len(selection.kept[i]) < g.num_heads]
         report = sequential_refit(model, model, adapter, calib_batches, layers=layers, damping=damping,
-                                  heldout_batches=heldout_batches, on_layer=on_layer)
+                                  heldout_batches=heldout_batches, on_layer=on_layer, device=calib_device)
         done = set(layers)
         for i, g in enumerate(geometry):  # layers that were not refit are still pruned
             if i not in done:

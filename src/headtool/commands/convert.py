@@ -6,7 +6,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..cli_common import MODEL_HELP, JsonOpt, LoadOptions, data_options, model_options
+from ..cli_common import (MODEL_HELP, JsonOpt, LoadOptions, SequentialOpt, data_options, model_options,
+                          sequential_placement)
 from ..console import err_console, info, print_json
 
 DEFAULT_CALIBRATION_SAMPLES = 64
@@ -108,6 +109,7 @@ def convert_gqa_cmd(
     streaming: Annotated[bool, typer.Option(
         "--streaming", help="work shard by shard on the safetensors files, never building the model "
                             "(checkpoints larger than memory; --merge mean with contiguous grouping)")] = False,
+    sequential: SequentialOpt = False,
     json_out: JsonOpt = False,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
@@ -152,6 +154,7 @@ def convert_gqa_cmd(
         if json_out:
             print_json(written)
         return
+    load, calib_device = sequential_placement(load, sequential)
     lm = load_model(model, **load.kwargs())
     check_target(lm.adapter, lm.geometry, kv_heads)
     check_output_target(output, lm.path, overwrite)
@@ -173,7 +176,7 @@ def convert_gqa_cmd(
             used += held.info["samples"]
         info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
              + (f" ({held.info['samples']} more held out)" if held else ""))
-        grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+        grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
     ev = None
     if eval_data:
         same = eval_data == spec.source
@@ -190,7 +193,8 @@ def convert_gqa_cmd(
         info(f"merging: {method}" + (" + sequential output-projection refit" if do_refit and cal else ""))
         conv = convert_model(lm.model, lm.adapter, kv_heads, method=method, grouping=grouping, grams=grams,
                              refit=do_refit and cal is not None, batches=cal.batches if cal else None,
-                             heldout_batches=held.batches if held else None, damping=damping)
+                             heldout_batches=held.batches if held else None, damping=damping,
+                             calib_device=calib_device)
         row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
         if held:
             row["heldout_loss"] = evaluate(conv.model, held.batches, objective, label=f"held-out {method}")["loss"]

@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cli_common import MODEL_HELP, JsonOpt, LoadOptions, data_options, model_options
+from ..cli_common import (MODEL_HELP, JsonOpt, LoadOptions, SequentialOpt, data_options, model_options,
+                          sequential_placement)
 from ..errors import UsageError
 
 
@@ -66,6 +67,7 @@ def prune_cmd(
     streaming: Annotated[bool, typer.Option(
         "--streaming", help="work shard by shard on the safetensors files, never building the model "
                             "(checkpoints larger than memory; needs --scores or --heads, no --compensate)")] = False,
+    sequential: SequentialOpt = False,
     json_out: JsonOpt = False,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
@@ -110,6 +112,7 @@ def prune_cmd(
         if json_out:
             print_json(written)
         return
+    load, calib_device = sequential_placement(load, sequential)
     lm = load_model(model, **load.kwargs())
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
     if not dry_run:
@@ -135,7 +138,7 @@ def prune_cmd(
 
     result = prune(lm, selection, unit=unit, calib_batches=calib, heldout_batches=heldout, compensate=compensate,
                    choose_in_layer=choose_in_layer, refit_layers=refit_layers, damping=damping,
-                   eval_batches=eval_batches, objective=eval_objective)
+                   eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
     kind = _config_kind(lm)
     summary = result.summary()
     options = {"target": target.describe() if target else None, "heads": heads, "compensate": compensate,
