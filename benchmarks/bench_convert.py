@@ -58,7 +58,7 @@ def main() -> None:
            "eval": ev.info, "calibration_seconds": round(calib_s, 1), "results": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\n| method | loss | perplexity |\n| --- | --- | --- |")
+    print("\n| method | loss | perplexity |\n| --- | --- | --- |")
     for r in rows:
         print(f"| {r['method']} | {r['loss']:.4f} | {r['perplexity']:,.1f} |")
 

@@ -302,6 +302,8 @@ def merge_layer(b: Blocks, geo: LayerHeads, groups: Sequence[Sequence[int]], met
         raise UsageError(f"unknown merge method {method!r}; use {', '.join(METHODS)}")
     if method in DATA_METHODS and gram is None:
         raise UsageError(f"--merge {method} needs calibration data (--data)")
+    if method not in DATA_METHODS:
+        raise ValueError("merge_layer is for the data-aware merges; --merge mean is mean_layer_tensors")
     d = geo.head_dim
     order = [h for g in groups for h in g]
     q, o = b.q[order].clone(), b.o[order].clone()
@@ -313,10 +315,6 @@ def merge_layer(b: Blocks, geo: LayerHeads, groups: Sequence[Sequence[int]], met
         pos += len(g)
         sources = sorted(set(src))
         w = torch.tensor([src.count(j) for j in sources], dtype=torch.float64)
-        if method == "mean":
-            new_k.append(b.k[src].mean(0))
-            new_v.append(b.v[src].mean(0))
-            continue
         if method == "aligned":
             m = group_maps(b, sources, w, gram, rot_dim, k_maps=not qk_norm)
             idx = [sources.index(j) for j in src]
@@ -459,6 +457,35 @@ def plan_layers(model, adapter: Adapter, n: int, grouping: str, method: str,
     return plans
 
 
+def mean_layer_tensors(tensors: Mapping[str, torch.Tensor], adapter: Adapter, prefix: str, geo: LayerHeads,
+                       groups: Sequence[Sequence[int]], new_geo: LayerHeads) -> dict[str, torch.Tensor]:
+    """`--merge mean` on a layer's tensors in their own dtype: only what changes is returned.
+
+    Each group's K/V heads (weights and biases) are averaged in float64 and cast back; query
+    heads and output-projection columns are only reordered into group order, so a tensor that
+    holds nothing but q or o is left out entirely when the grouping is contiguous (streaming
+    copies it file to file). Why not merge_layer: it lifts every q/o block to float64 for the
+    data-aware methods, which for a plain mean is all cost and no effect on the result.
+    """
+    order = [h for g in groups for h in g]
+    identity = order == list(range(geo.num_heads))
+    out = {}
+    for key, ht in layer_tensor_names(adapter, prefix, tensors.keys()):
+        if identity and set(ht.kinds) <= {"q", "o"}:
+            continue
+        t = tensors[key].detach()
+        parts = {}
+        for kind in ht.kinds:
+            blocks = extract_heads(t, ht, geo, kind)
+            if kind in ("q", "o"):
+                parts[kind] = blocks if identity else blocks[order]
+            else:
+                src = [[geo.kv_head_of(h) for h in g] for g in groups]
+                parts[kind] = torch.stack([blocks[s].to(torch.float64).mean(0) for s in src]).to(t.dtype)
+        out[key] = assemble(ht, new_geo, parts)
+    return out
+
+
 def converted_layer_tensors(model, adapter: Adapter, layer: int, plan: LayerPlan, method: str,
                             gram: torch.Tensor | None, state: Mapping[str, torch.Tensor] | None = None,
                             ) -> dict[str, torch.Tensor]:
@@ -466,6 +493,9 @@ def converted_layer_tensors(model, adapter: Adapter, layer: int, plan: LayerPlan
     state = state if state is not None else model.state_dict()
     geo = adapter.geometry(model.config)[layer]
     prefix = adapter.layer_prefix(model, layer)
+    if method == "mean":
+        changed = mean_layer_tensors(state, adapter, prefix, geo, plan.groups, plan.new_geo)
+        return {key: changed.get(key, state[key]) for key, _ in layer_tensor_names(adapter, prefix, state.keys())}
     b = read_blocks(state, adapter, prefix, geo)
     rot = adapter.rotary_dim(model.config, geo.head_dim)
     merged = merge_layer(b, geo, plan.groups, method, gram, rot, bool(adapter.qk_norm))

@@ -2,13 +2,14 @@
 
 Used when no forward pass is needed (prune with a score document or a head list and no
 compensation; convert-gqa with `--merge mean`). The tensor math is the in-memory path's own
-(`surgery.prune_layer_tensors`, `convert.merge_layer`); the config and model card come from a
+(`surgery.prune_layer_tensors`, `convert.mean_layer_tensors`); the config and model card come from a
 model built on the meta device (no memory), so the output folder is the same as in memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -117,6 +118,30 @@ def layer_of(ck: CheckpointRef) -> dict[str, int]:
     return out
 
 
+class _LayerTensors(Mapping):
+    """A layer's attention tensors, each read from disk only when the layer function asks for it
+    (a tensor it never touches is copied file to file)."""
+
+    def __init__(self, lazy: LazyCheckpoint, keys: list[str]):
+        self._lazy, self._keys, self._read = lazy, keys, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._read:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._read[key] = self._lazy[key]
+        return self._read[key]
+
+    def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
+        return key in self._keys
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerHeads], layer_fn: LayerFn, *,
                    meta: dict, card_table: str = "", overwrite: bool = False,
                    shard_size: str | int = "5GB") -> dict[str, Any]:
@@ -135,14 +160,13 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
 
     def produce(name: str) -> torch.Tensor:
         i = owner.get(name)
-        if i is None:
-            return ck.lazy.raw(name)  # unchanged: bytes copied file to file
-        if i not in done:
+        if i is not None and i not in done:
             done.clear()  # one layer at a time
             prefix = ck.layer_prefixes[i]
-            tensors = {prefix + ht.name: ck.lazy[prefix + ht.name] for ht in ck.adapter.tensors
-                       if prefix + ht.name in ck.lazy}
-            done[i] = {**tensors, **layer_fn(i, tensors)}
+            done[i] = layer_fn(i, _LayerTensors(ck.lazy, [prefix + ht.name for ht in ck.adapter.tensors
+                                                         if prefix + ht.name in ck.lazy]))
+        if i is None or name not in done[i]:
+            return ck.lazy.raw(name)  # unchanged: bytes copied file to file
         return done[i][name]
 
     # the output config from a weightless model resized to the new geometry
@@ -171,7 +195,9 @@ def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]
     keeps = [keep_for_query_heads(g, k) for g, k in zip(geometry, kept)]
     new_geometry = [k.geometry(g) for k, g in zip(keeps, geometry)]
 
-    def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def layer_fn(i: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if new_geometry[i] == geometry[i]:
+            return {}  # nothing removed in this layer: its tensors are copied as they are
         return prune_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geometry[i], keeps[i])
 
     return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
@@ -181,19 +207,16 @@ def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]
 def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: dict, card_table: str = "",
                         overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
     """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
-    from .convert import check_target, contiguous_groups, merge_layer, read_blocks, write_tensors
+    from .convert import check_target, contiguous_groups, mean_layer_tensors
 
     geometry = ck.geometry
     check_target(ck.adapter, geometry, n_kv)
     new_geometry = [LayerHeads(g.num_heads, n_kv, g.head_dim) for g in geometry]
 
     def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        prefix = ck.layer_prefixes[i]
         geo = geometry[i]
-        blocks = read_blocks(tensors, ck.adapter, prefix, geo)
-        rot = ck.adapter.rotary_dim(ck.config, geo.head_dim)
-        merged = merge_layer(blocks, geo, contiguous_groups(geo, n_kv), "mean", None, rot, bool(ck.adapter.qk_norm))
-        return write_tensors(merged, ck.adapter, prefix, tensors, geo, new_geometry[i])
+        return mean_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geo, contiguous_groups(geo, n_kv),
+                                  new_geometry[i])
 
     return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
                           overwrite=overwrite, shard_size=shard_size)
