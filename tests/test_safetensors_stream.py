@@ -54,3 +54,19 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(123) == 123
     with pytest.raises(UsageError):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_element_reads_match_the_whole_tensor_and_the_fingerprint(tmp_path, dtype):
+    """The streaming fingerprint reads only sampled elements; they must be the loaded tensor's."""
+    from headtool.fingerprint import model_fingerprint
+    from headtool.streaming import open_checkpoint
+
+    model = tiny_model("llama").to(dtype)
+    model.save_pretrained(tmp_path / "m")
+    lc = LazyCheckpoint(tmp_path / "m")
+    for key in lc.keys():
+        flat = lc[key].reshape(-1)
+        positions = [0, flat.numel() - 1, flat.numel() // 3]
+        assert torch.equal(lc.elements(key, positions), flat[positions])
+    assert open_checkpoint(str(tmp_path / "m")).fingerprint == model_fingerprint(model.float())

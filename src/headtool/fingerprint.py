@@ -28,23 +28,35 @@ def config_digest(config_dict: Mapping) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def sample_indices(numel: int) -> list[int] | None:
+    """Flat positions of the sampled values (None: small tensors are hashed whole)."""
+    if numel <= SAMPLES_PER_TENSOR:
+        return None
+    return torch.linspace(0, numel - 1, SAMPLES_PER_TENSOR, dtype=torch.float64).long().tolist()
+
+
+def sample_bytes(values: torch.Tensor) -> bytes:
+    return values.detach().reshape(-1).to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
+
+
 def tensor_sample(t: torch.Tensor) -> bytes:
     flat = t.detach().reshape(-1)
-    n = flat.numel()
-    if n > SAMPLES_PER_TENSOR:
-        idx = torch.linspace(0, n - 1, SAMPLES_PER_TENSOR, dtype=torch.float64, device=flat.device).long()
-        flat = flat[idx]
-    return flat.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
+    idx = sample_indices(flat.numel())
+    return sample_bytes(flat if idx is None else flat[torch.tensor(idx, device=flat.device)])
+
+
+def fingerprint_parts(config_dict: Mapping, parts: Iterable[tuple[tuple[int, ...], bytes]]) -> str:
+    """Hash of the config and of (shape, sampled values) per tensor, in an order of their own."""
+    h = hashlib.sha256(config_digest(config_dict).encode())
+    for p in sorted(str(tuple(shape)).encode() + b"|" + sample for shape, sample in parts):
+        h.update(p)
+    return "sha256:" + h.hexdigest()[:32]
 
 
 def fingerprint_tensors(config_dict: Mapping, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Hash of the config and of every tensor's shape and sampled values, independent of the
     tensors' names and order (checkpoints may store legacy names, e.g. GPT-NeoX's embed_out)."""
-    h = hashlib.sha256(config_digest(config_dict).encode())
-    parts = sorted(str(tuple(t.shape)).encode() + b"|" + tensor_sample(t) for _, t in tensors)
-    for p in parts:
-        h.update(p)
-    return "sha256:" + h.hexdigest()[:32]
+    return fingerprint_parts(config_dict, ((tuple(t.shape), tensor_sample(t)) for _, t in tensors))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -8,6 +8,7 @@ one, so peak memory stays near the largest single tensor whatever the shard size
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import os
 import struct
 from dataclasses import dataclass
@@ -113,14 +114,32 @@ class LazyCheckpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.index
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        e = self.index[key]
+    def _fd(self, e: TensorEntry) -> int:
         if e.file not in self._fds:
             self._fds[e.file] = os.open(self.folder / e.file, os.O_RDONLY)
+        return self._fds[e.file]
+
+    def elements(self, key: str, positions: Iterable[int]) -> torch.Tensor:
+        """Chosen flat elements of `key`, one small read each (a fingerprint samples 256 values
+        of every tensor: reading whole tensors for that would read the checkpoint twice)."""
+        e = self.index[key]
+        size = torch.empty((), dtype=DTYPES[e.dtype]).element_size()
+        fd, chunks = self._fd(e), []
+        for p in positions:
+            b = os.pread(fd, size, e.offset + p * size)
+            if len(b) != size:
+                raise UsageError(f"{self.folder / e.file}: truncated while reading {key}")
+            chunks.append(b)
+        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=DTYPES[e.dtype]) if chunks \
+            else torch.empty(0, dtype=DTYPES[e.dtype])
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        e = self.index[key]
+        fd = self._fd(e)
         buf = bytearray(e.nbytes)
         view, done = memoryview(buf), 0
         while done < e.nbytes:
-            n = os.preadv(self._fds[e.file], [view[done:]], e.offset + done)
+            n = os.preadv(fd, [view[done:]], e.offset + done)
             if n <= 0:
                 raise UsageError(f"{self.folder / e.file}: truncated while reading {key}")
             done += n
@@ -202,8 +221,12 @@ def copy_raw(dst, raw: RawTensor, chunk: int = 64 * 2**20) -> None:
 
 
 def write_streaming(path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]],
-                    produce: Callable[[str], torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
-    """Write one safetensors file whose tensors `produce(name)` makes one at a time; returns bytes."""
+                    produce: Callable[[str], torch.Tensor], metadata: Mapping[str, str] | None = None,
+                    fsync: bool = True) -> int:
+    """Write one safetensors file whose tensors `produce(name)` makes one at a time; returns bytes.
+
+    fsync=False leaves the flush to disk to the caller (write_checkpoint_streaming overlaps it
+    with the next shard)."""
     head, sizes = _header_bytes(entries, metadata)
     written = len(head)
     with open(path, "wb") as f:
@@ -226,8 +249,17 @@ def write_streaming(path: str | os.PathLike, entries: list[tuple[str, str, tuple
             written += nbytes
             del t, data
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     return written
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def plan_shards(entries: list[tuple[str, str, tuple[int, ...]]], shard_bytes: int) -> list[list[tuple[str, str, tuple[int, ...]]]]:
@@ -253,17 +285,26 @@ def shard_names(n: int) -> list[str]:
 def write_checkpoint_streaming(folder: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]],
                                produce: Callable[[str], torch.Tensor], shard_bytes: int,
                                metadata: Mapping[str, str] | None = None) -> list[str]:
-    """Write a sharded checkpoint (with index when sharded) into `folder`; returns file names."""
+    """Write a sharded checkpoint (with index when sharded) into `folder`; returns file names.
+
+    Each finished shard is flushed to disk in a background thread while the next one is
+    written (fsync releases the GIL); all flushes are done before this returns."""
     folder = Path(folder)
     shards = plan_shards(entries, shard_bytes)
     names = shard_names(len(shards))
     total = 0
     weight_map = {}
-    for fname, shard in zip(names, shards):
-        write_streaming(folder / fname, shard, produce, metadata={"format": "pt", **(metadata or {})})
-        for name, dtype, shape in shard:
-            weight_map[name] = fname
-            total += TensorEntry(name, fname, dtype, shape).nbytes
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="headtool-fsync") as pool:
+        flushes = []
+        for fname, shard in zip(names, shards):
+            write_streaming(folder / fname, shard, produce, metadata={"format": "pt", **(metadata or {})},
+                            fsync=False)
+            flushes.append(pool.submit(fsync_path, folder / fname))
+            for name, dtype, shape in shard:
+                weight_map[name] = fname
+                total += TensorEntry(name, fname, dtype, shape).nbytes
+        for done in flushes:
+            done.result()
     if len(names) > 1:
         (folder / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

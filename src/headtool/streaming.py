@@ -7,6 +7,7 @@ model built on the meta device (no memory), so the output folder is the same as 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ import torch
 
 from .arch import Adapter, LayerHeads, adapter_for
 from .errors import UsageError
+from .fingerprint import fingerprint_parts, sample_bytes, sample_indices
 from .safetensors_stream import DTYPES, LazyCheckpoint, parse_size, write_checkpoint_streaming
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -52,11 +54,17 @@ class CheckpointRef:
     def fingerprint(self) -> str:
         """The same fingerprint as `LoadedModel.fingerprint` of the loaded model."""
         if self._fingerprint is None:
-            from .fingerprint import fingerprint_tensors
-
-            self._fingerprint = fingerprint_tensors(self.config.to_dict(),
-                                                    ((k, self.lazy[k]) for k in self.lazy.keys()))
+            self._fingerprint = fingerprint_parts(self.config.to_dict(), self._samples())
         return self._fingerprint
+
+    def _samples(self):
+        """(shape, sampled values) of every stored tensor, reading only the sampled elements."""
+        for key in self.lazy.keys():
+            e = self.lazy.index[key]
+            numel = math.prod(e.shape)
+            idx = sample_indices(numel)
+            values = self.lazy[key] if idx is None else self.lazy.elements(key, idx)
+            yield e.shape, sample_bytes(values)
 
     @property
     def model(self):
