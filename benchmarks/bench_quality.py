@@ -55,7 +55,7 @@ def main() -> None:
     fractions = [float(f) for f in a.fractions.split(",") if f]
     methods = [m for m in a.methods.split(",") if m]
     merges = [m for m in a.merges.split(",") if m]
-    command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python", "benchmarks/bench_quality.py", *sys.argv[1:]])
 
     t_start = time.perf_counter()
     lm = load_model("smollm2-135m", dtype="float32", device="cpu")

@@ -25,10 +25,11 @@ class LoadOptions:
     device: str = "auto"
     trust_remote_code: bool = False
     device_map: str | None = None
+    max_memory: str | None = None
 
     def kwargs(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code,
-                "device_map": self.device_map}
+                "device_map": self.device_map, "max_memory": self.max_memory}
 
 
 _MODEL_PARAMS = [
@@ -42,6 +43,10 @@ _MODEL_PARAMS = [
     inspect.Parameter("device_map", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         Optional[str], typer.Option("--device-map", help="'auto': spread a model larger than one device over "
                                     "GPUs/CPU with accelerate (offload)", rich_help_panel="Model")]),
+    inspect.Parameter("max_memory", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        Optional[str], typer.Option("--max-memory", help="with --device-map: caps per device, e.g. "
+                                    "'0=70GiB,cpu=200GiB' (the rest is offloaded to disk)",
+                                    rich_help_panel="Model")]),
 ]
 
 

@@ -38,6 +38,7 @@ import torch
 
 from .arch import Adapter, LayerHeads
 from .errors import UsageError
+from .loading import require_resident_weights
 from .surgery import assemble, extract_heads, layer_tensor_names
 
 METHODS = ("mean", "aligned", "fit")
@@ -546,6 +547,10 @@ class Converted:
     seconds: float
 
 
+CONVERT_INSTEAD = ("use --sequential (one layer at a time on --device) for the data-aware merges, "
+                   "or --streaming with --merge mean")
+
+
 def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: str = "contiguous",
                   grams: Mapping[int, torch.Tensor] | None = None, refit: bool = False,
                   batches: Sequence[dict] | None = None, heldout_batches: Sequence[dict] | None = None,
@@ -561,6 +566,7 @@ def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: 
     import time
 
     t0 = time.perf_counter()
+    require_resident_weights(original, "convert-gqa", CONVERT_INSTEAD)
     check_target(adapter, adapter.geometry(original.config), n)
     model = copy.deepcopy(original)
     plans = plan_layers(original, adapter, n, grouping, method, grams)

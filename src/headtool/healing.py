@@ -759,7 +759,7 @@ def heal_checkpoint(student_ref: str, teacher_ref: str, out: str | os.PathLike, 
     from .checkpoint import check_output_target, write_output
     from .data import make_batches
     from .evaluation import tokenizers_agree
-    from .loading import load_model, resolve_ref
+    from .loading import load_model, require_resident_weights, resolve_ref
 
     opts.validate()
     if eval_samples < 1:
@@ -781,6 +781,8 @@ def heal_checkpoint(student_ref: str, teacher_ref: str, out: str | os.PathLike, 
         load_kwargs["device"] = f"cuda:{world.local_rank}"
 
     student = load_model(student_ref, **load_kwargs)
+    require_resident_weights(student.model, "heal", "the student is trained in place, so it must fit in memory "
+                             "without offload (drop --max-memory or raise its caps)")
     teacher = load_model(teacher_ref, **load_kwargs)
     tok = student.tokenizer or teacher.tokenizer
     if tok is None:

@@ -72,14 +72,46 @@ class LoadedModel:
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            from .fingerprint import model_fingerprint
+            if has_offloaded_weights(self.model):
+                # the weights --device-map offloaded are not in memory; the files give the same value
+                from .streaming import open_checkpoint
 
-            self._fingerprint = model_fingerprint(self.model)
+                self._fingerprint = open_checkpoint(self.path).fingerprint
+            else:
+                from .fingerprint import model_fingerprint
+
+                self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def has_offloaded_weights(model) -> bool:
+    """True when --device-map left parameters off-memory (accelerate keeps them on 'meta' and
+    streams them in from CPU or disk for each forward)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def require_resident_weights(model, what: str, instead: str) -> None:
+    """Surgery and training rewrite weights in place: offloaded ones are not there to rewrite."""
+    if has_offloaded_weights(model):
+        raise UsageError(f"{what} rewrites weights that --device-map offloaded to CPU or disk: {instead}")
+
+
+def offload_folder() -> str:
+    """A folder of this process's own for weights --device-map offloads to disk, removed at exit
+    (a shared one would let two runs overwrite each other's offloaded weights)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = cache_dir() / "offload"
+    root.mkdir(parents=True, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def cache_dir() -> Path:
@@ -303,6 +335,28 @@ def _check_missing(ref: str, missing: list[str]) -> None:
              + (" ..." if len(missing) > 4 else ""))
 
 
+def parse_max_memory(spec: str) -> dict[int | str, str]:
+    """'0=70GiB,1=70GiB,cpu=200GiB' -> {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'} (accelerate's form)."""
+    from .safetensors_stream import parse_size
+
+    caps: dict[int | str, str] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        dev, sep, size = part.partition("=")
+        dev, size = dev.strip().lower(), size.strip()
+        if not sep or not dev or not size:
+            raise UsageError(f"--max-memory: expected DEVICE=SIZE items like 0=70GiB,cpu=200GiB, got {part!r}")
+        if not (dev.isdigit() or dev in ("cpu", "mps", "disk")):
+            raise UsageError(f"--max-memory: unknown device {dev!r} (a GPU index, cpu, mps or disk)")
+        try:
+            parse_size(size)
+        except UsageError:
+            raise UsageError(f"--max-memory {part!r}: not a size (use e.g. 70GiB or 500MB)") from None
+        caps[int(dev) if dev.isdigit() else dev] = size
+    if not caps:
+        raise UsageError("--max-memory is empty")
+    return caps
+
+
 def load_model(
     ref: str,
     *,
@@ -313,8 +367,15 @@ def load_model(
     attn_implementation: str | None = None,
     tokenizer: str | None = None,
     device_map: str | None = None,
+    max_memory: str | None = None,
 ) -> LoadedModel:
-    """Load MODEL for headtool; bad references are a UsageError with one clear line."""
+    """Load MODEL for headtool; bad references are a UsageError with one clear line.
+
+    max_memory ('0=70GiB,cpu=120GiB'): accelerate's per-device caps for device_map; what does
+    not fit goes to disk (offload folder in headtool's cache)."""
+    if max_memory and not device_map:
+        raise UsageError("--max-memory caps devices for --device-map: add --device-map auto")
+    caps = parse_max_memory(max_memory) if max_memory else None
     path, source = resolve_ref(ref)
     config = load_config(path, source, trust_remote_code)
     adapter = adapter_for(config)
@@ -327,7 +388,9 @@ def load_model(
         if importlib.util.find_spec("accelerate") is None:
             raise UsageError("--device-map needs the accelerate package: pip install accelerate")
         kwargs["device_map"] = device_map
-        kwargs["offload_folder"] = str(cache_dir() / "offload")
+        kwargs["offload_folder"] = offload_folder()
+        if caps:
+            kwargs["max_memory"] = caps
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     from transformers.utils import logging as hf_logging

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from .arch import Adapter, LayerHeads
 from .compensation import o_columns, removal_cost, sequential_refit
 from .errors import UsageError
+from .loading import require_resident_weights
 from .resize import resize_attention
 from .selection import Selection, choose_removal
 from .surgery import keep_for_query_heads, prune_layer_tensors
@@ -87,6 +88,10 @@ def _evaluate(model, batches, objective):
     return evaluate(model, batches, objective, label="eval") if batches else None
 
 
+PRUNE_INSTEAD = ("prune with --sequential (one layer at a time on --device) or, with --scores/--heads and no "
+                 "--compensate, with --streaming (score with --device-map first)")
+
+
 def prune(
     loaded,
     selection: Selection,
@@ -123,6 +128,7 @@ def prune(
         raise UsageError(f"--damping must be positive (got {damping})")
     t0 = time.perf_counter()
     model, adapter = loaded.model, loaded.adapter
+    require_resident_weights(model, "prune", PRUNE_INSTEAD)
     geometry = list(adapter.geometry(model.config))
     info_before = model_info(model, adapter)
     eval_before = _evaluate(model, eval_batches, objective)

@@ -124,7 +124,8 @@ def convert_gqa_cmd(
     """
     from ..calibration import attention_input_grams
     from ..checkpoint import check_output_target, write_output
-    from ..convert import DATA_METHODS, GROUPINGS, check_target, convert_model, summary_figures
+    from ..convert import CONVERT_INSTEAD, DATA_METHODS, GROUPINGS, check_target, convert_model, summary_figures
+    from ..loading import require_resident_weights
     from ..data import DataSpec, make_batches
     from ..errors import UsageError
     from ..evaluation import evaluate
@@ -156,6 +157,7 @@ def convert_gqa_cmd(
         return
     load, calib_device = sequential_placement(load, sequential)
     lm = load_model(model, **load.kwargs())
+    require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
     check_target(lm.adapter, lm.geometry, kv_heads)
     check_output_target(output, lm.path, overwrite)
     needs_data = grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(refit)

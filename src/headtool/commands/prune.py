@@ -81,7 +81,8 @@ def prune_cmd(
     """
     from ..checkpoint import check_output_target, write_output
     from ..console import err_console, info, print_json
-    from ..loading import load_model
+    from ..loading import load_model, require_resident_weights
+    from ..pruning import PRUNE_INSTEAD
     from ..safetensors_stream import parse_size
     from ..selection import Target, check_target, parse_heads, select_heads, selection_from_removed
 
@@ -114,6 +115,8 @@ def prune_cmd(
         return
     load, calib_device = sequential_placement(load, sequential)
     lm = load_model(model, **load.kwargs())
+    if not dry_run:
+        require_resident_weights(lm.model, "prune", PRUNE_INSTEAD)
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
     if not dry_run:
         check_output_target(output, lm.path, overwrite)

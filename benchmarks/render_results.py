@@ -1,0 +1,214 @@
+"""Regenerate README.md's Results from benchmarks/results/*.json (nothing typed by hand).
+
+The text between `<!-- results:begin -->` and `<!-- results:end -->` is replaced by tables
+made from the JSON files the benchmark scripts write, each with the command that made it.
+
+    python benchmarks/render_results.py           # rewrite README.md
+    python benchmarks/render_results.py --check   # exit 1 if README.md is out of date (tests run this)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+sys.path.insert(0, str(HERE))
+
+
+def _load(name: str) -> dict | None:
+    p = RESULTS / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.2f}"
+
+
+def quality_section(doc: dict) -> str:
+    from bench_quality import render
+
+    cal, held, ev = doc["data"]["calibration"], doc["data"]["heldout"], doc["data"]["eval"]
+    at25 = [r for r in doc["prune"] if r["fraction"] == 0.25]
+    best = min(at25, key=lambda r: r["perplexity"]) if at25 else None
+    lines = [
+        "### Quality: SmolLM2-135M, heads removed or merged, no training",
+        "",
+        f"Perplexity on {ev['samples']} blocks of {ev['seq_len']} tokens of `{ev['source']}` that neither "
+        f"scoring nor calibration saw (calibration: {cal['samples']} blocks, refit checks: "
+        f"{held['samples']} more). With `--compensate` the scores decide how many heads each layer "
+        "loses and the refit error decides which (`--choose-in-layer auto`); the output projections "
+        "are then refit layer after layer. Bold: the best at each fraction.",
+        "",
+        render(doc),
+        "",
+    ]
+    if best is not None:
+        verdict = "within" if best["ratio"] <= 1.3 else "outside"
+        text = (f"Best at 25% of query heads removed: {best['method']} scores "
+                f"{'with' if best['compensate'] else 'without'} compensation, {best['perplexity']:.2f} = "
+                f"{best['ratio']:.2f}x the unpruned model ({verdict} the 1.3x target). The refit is fit on "
+                "text of the same kind as the evaluation (Python documentation), which flatters it")
+        beaten = [r for r in doc["prune"] if r["ratio"] < 1.0]
+        if beaten:
+            text += (f": at {min(r['fraction'] for r in beaten):.0%} it even beats the unpruned model, so "
+                     "read figures near 1.0x as no measurable loss on this kind of text, not as a gain")
+        merges = doc.get("convert", [])
+        if merges and min(r["ratio"] for r in merges) > 1.3:
+            best_merge = min(merges, key=lambda r: r["ratio"])
+            text += (f". Merging 3 → 1 KV heads stays at {best_merge['ratio']:.2f}x even with the best merge "
+                     f"({best_merge['method']}): that is where training is needed (Healing, below)")
+        lines += [text + ".", ""]
+    secs = doc.get("scores_seconds", {})
+    if secs:
+        lines += ["Scoring time on the calibration set: " +
+                  ", ".join(f"{m} {s:.0f} s" for m, s in secs.items() if s) + ".", ""]
+    lines += [f"`{doc['command']}`"]
+    return "\n".join(lines)
+
+
+def heal_section(doc: dict) -> str:
+    rows = doc["rows"]
+    teacher = rows[0]["teacher_perplexity"] if rows else float("nan")
+    lines = [
+        "### Healing: distillation from the original, CPU-sized",
+        "",
+        f"`headtool heal STUDENT --teacher {doc['teacher']} --data builtin:pydoc --train attention`, "
+        f"batches of {doc['batch_size']} × {doc['seq_len']} tokens; perplexity on {doc['eval_samples']} "
+        f"held-out blocks that neither the student's calibration nor the heal trained on (teacher: "
+        f"{teacher:.2f}). Gap closed: the share of the student's log-perplexity excess over the "
+        "teacher that the heal removed.",
+        "",
+        "| student (made by) | before | after | factor | gap closed | steps | tokens | minutes | peak RSS |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        made = r["made_by"].split(" -m headtool ", 1)[-1].split(" -o ")[0]
+        made = made.replace(f" {doc['teacher']} ", " ", 1)
+        gap = r.get("gap_closed")
+        if gap is None:
+            gap = (math.log(r["before_perplexity"]) - math.log(r["after_perplexity"])) / \
+                (math.log(r["before_perplexity"]) - math.log(r["teacher_perplexity"]))
+        lines.append(f"| {r['student']} (`{made}`) | {_num(r['before_perplexity'])} | "
+                     f"{_num(r['after_perplexity'])} | {r['factor']:.1f}x | {100 * gap:.0f}% | {r['steps']} | "
+                     f"{r['tokens']:,} | {r['minutes']:.1f} | {r['memory']['peak_rss_bytes'] / 2**30:.1f} GiB |")
+    lines += ["", "Reloaded from disk, the healed checkpoints give the same perplexity "
+              f"(largest difference {max(abs(r['after_perplexity_reloaded'] - r['after_perplexity']) for r in rows):.1e})."
+              if rows else "", "", f"`{doc.get('command', 'python benchmarks/bench_heal.py')}`"]
+    return "\n".join(lines)
+
+
+def streaming_section(doc: dict) -> str:
+    gb = doc["checkpoint_bytes"] / 1e9
+    p, c = doc["prune"], doc["convert_mean"]
+    durable = doc.get("durable_copy_s")
+    lines = [
+        "### Streaming surgery: a checkpoint larger than it needs to be in memory",
+        "",
+        f"A synthetic Llama-shaped checkpoint of {gb:.2f} GB ({doc['layers']} layers, bf16, shards of "
+        f"≤ {doc['largest_shard_bytes'] / 1e9:.2f} GB) written tensor by tensor; each command in a fresh "
+        "process, peak RSS from the kernel, dirty pages flushed before every timed run. A plain copy of "
+        f"the shards takes {doc['copy_s']:.1f} s" + (f", with fsync {durable:.1f} s" if durable else "") +
+        " (headtool fsyncs its output).",
+        "",
+        "| operation | seconds | vs plain copy | peak RSS | of the checkpoint |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, label, r in (("prune", "`prune --streaming` (a query head of every KV group, every layer)", p),
+                           ("convert", "`convert-gqa --streaming --merge mean` (8 → 2 KV heads)", c)):
+        lines.append(f"| {label} | {r['seconds']:.1f} | {r['time_vs_copy']:.2f}x | "
+                     f"{r['peak_rss_mib']:.0f} MiB | {100 * r['rss_fraction_of_checkpoint']:.1f}% |")
+    lines += ["", "About 3 s of each run is Python, torch and transformers start-up, which does not grow "
+              "with the model; the peak memory is the interpreter plus a few of the largest tensors, "
+              "whatever the checkpoint's size.", "", f"`{doc['command']}`"]
+    return "\n".join(lines)
+
+
+def scoring_section(doc: dict) -> str:
+    lines = [
+        "### Scoring speed and memory",
+        "",
+        f"SmolLM2-135M, {doc['heads']} heads, {doc['tokens']} tokens, {doc['torch_threads']} threads "
+        f"(1-minute load average {doc['load_average_1min']:.1f} when it ran):",
+        "",
+        "| measurement | headtool | reference | ratio |",
+        "| --- | ---: | ---: | ---: |",
+        f"| gradient scoring vs forward + backward with parameter gradients | {doc['gradient_scoring_s']:.2f} s | "
+        f"{doc['fwd_bwd_param_grads_s']:.2f} s | {doc['gradient_ratio']:.2f}x |",
+        f"| its peak memory increase | {doc['memory_gradient_scoring']['peak_increase_mib']:.0f} MiB | "
+        f"{doc['memory_fwd_bwd']['peak_increase_mib']:.0f} MiB | {doc['memory_ratio_peak_increase']:.2f}x |",
+        f"| exact ablation of all heads vs one forward per head (measured on {doc['naive_heads_measured']}, "
+        f"extrapolated) | {doc['ablation_s']:.1f} s | {doc['naive_one_forward_per_head_s']:.1f} s | "
+        f"{doc['ablation_ratio']:.2f}x |",
+    ]
+    if "ablation_ratio_vs_forward_estimate" in doc:
+        lines.append(f"| exact ablation vs (heads + 1) × one timed forward | {doc['ablation_s']:.1f} s | "
+                     f"{doc['naive_from_forward_s']:.1f} s | {doc['ablation_ratio_vs_forward_estimate']:.2f}x |")
+    lines += ["", f"Ablation and the naive loop agree to {doc['ablation_vs_naive_max_abs_diff']:.0e}. "
+              f"Memory: {doc['memory_measure']}.", "", f"`{doc.get('command', 'python benchmarks/bench_scoring.py')}`"]
+    return "\n".join(lines)
+
+
+def speed_section(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [
+        "### Inference after merging K/V heads",
+        "",
+        f"Batch {s['batch']}, {s['context']}-token context, {s['new_tokens']} new tokens, {s['threads']} "
+        f"thread(s), {s['device']}, {s['order']}:",
+        "",
+        "| model | KV heads | KV cache | prefill tokens/s | decode tokens/s |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["results"]:
+        q = r["ratio"]
+        lines.append(f"| {r['label']} | {r['total_kv_heads']} | {r['kv_cache_bytes'] / 2**20:.1f} MiB "
+                     f"({q['kv_cache_bytes']:.3f}x) | {r['prefill_tokens_per_s']:.1f} ({q['prefill_tokens_per_s']:.2f}x) | "
+                     f"{r['decode_tokens_per_s']:.2f} ({q['decode_tokens_per_s']:.2f}x) |")
+    lines += ["", f"`{doc['benchmark']['command']}`" if "benchmark" in doc else ""]
+    return "\n".join(lines)
+
+
+SECTIONS = [("quality.json", quality_section), ("heal.json", heal_section),
+            ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]
+
+
+def render_all() -> str:
+    parts = ["<!-- generated by benchmarks/render_results.py from benchmarks/results/*.json: edit those, "
+             "not this -->"]
+    for name, fn in SECTIONS:
+        doc = _load(name)
+        if doc is not None:
+            parts.append(fn(doc))
+    return "\n\n".join(parts)
+
+
+def updated_readme(text: str) -> str:
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{render_all()}\n{END}{tail}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only check that README.md is up to date")
+    args = ap.parse_args()
+    text = README.read_text()
+    new = updated_readme(text)
+    if args.check:
+        if new != text:
+            raise SystemExit("README.md's Results are out of date: run python benchmarks/render_results.py")
+        return
+    README.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
