@@ -4,7 +4,7 @@ Students, each made by a headtool command (see STUDENTS):
   mqa-mean      3 -> 1 KV heads per layer, `convert-gqa --kv-heads 1 --merge mean` (no data)
   mqa           3 -> 1 KV heads, best of mean/aligned/fit on calibration data (fit wins)
   prune25       25% of the query heads removed, `prune --fraction 0.25` (gradient scores)
-  prune25-comp  the same with ablation scores and least-squares compensation
+  prune25-comp  the same with least-squares compensation (`--compensate`)
 
 Calibration of the students uses blocks 0..CALIB-1 of builtin:pydoc; the heal evaluates on the next
 --eval-samples blocks and trains on the blocks after them, so every perplexity here is on text
@@ -56,7 +56,7 @@ STUDENTS = {  # name -> the headtool command (after the model) that makes it
     "mqa-mean": ["convert-gqa", "--kv-heads", "1", "--merge", "mean"],
     "mqa": ["convert-gqa", "--kv-heads", "1", "--merge", "mean,aligned,fit"],
     "prune25": ["prune", "--fraction", "0.25"],
-    "prune25-comp": ["prune", "--fraction", "0.25", "--method", "ablation", "--compensate"],
+    "prune25-comp": ["prune", "--fraction", "0.25", "--compensate"],
 }
 
 
@@ -94,6 +94,15 @@ def main() -> None:
     held = ["--skip-samples", str(CALIB), "--max-samples", str(args.eval_samples)]
     teacher = _run(headtool("eval", TEACHER, *data, *held, "--json"), log)["results"][0]
     rows = []
+
+    def save(rows: list[dict]) -> None:
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps({
+            "command": shlex.join(["python", "benchmarks/bench_heal.py", *sys.argv[1:]]), "teacher": TEACHER,
+            "seq_len": args.seq_len, "batch_size": args.batch_size, "eval_samples": args.eval_samples,
+            "calibration_blocks": CALIB, "torch_threads": __import__("torch").get_num_threads(),
+            "rows": rows}, indent=2) + "\n")
+
     for name in args.students.split(","):
         folder = work / name
         t0 = time.perf_counter()
@@ -123,6 +132,7 @@ def main() -> None:
                "train_loss_last_quarter": doc["train_loss_last_quarter"]}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+        save(rows)  # after every student: an interrupted run keeps what it measured
     from rich.console import Console
     from rich.table import Table
 
@@ -136,13 +146,6 @@ def main() -> None:
                   f"{r['after_perplexity']:.2f}", f"{r['factor']:.1f}x", f"{100 * r['gap_closed']:.0f}%",
                   f"{r['before_kl']:.3f} -> {r['after_kl']:.3f}", str(r["steps"]), f"{r['minutes']:.1f}")
     Console(stderr=True).print(t)
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps({"command": shlex.join(["python", "benchmarks/bench_heal.py",
-                                                                      *sys.argv[1:]]),
-                                              "teacher": TEACHER, "seq_len": args.seq_len, "batch_size": args.batch_size,
-                                              "eval_samples": args.eval_samples, "calibration_blocks": CALIB,
-                                              "torch_threads": __import__("torch").get_num_threads(),
-                                              "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

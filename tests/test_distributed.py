@@ -1,9 +1,9 @@
-"""Data-parallel scoring: torchrun with 2 gloo processes equals one process on the same batches."""
+"""Data-parallel scoring: torchrun or accelerate launch with 2 gloo processes equals one process on the
+same batches."""
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -12,17 +12,24 @@ import pytest
 from tiny_models import save_tiny
 
 
-@pytest.mark.parametrize("method", ["gradient", "ablation"])
-def test_two_gloo_ranks_equal_one_process(method, tmp_path):
-    if shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")):
-        pytest.skip("torchrun not installed")
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    # --multi_gpu picks accelerate's torch.distributed launcher; on a CPU-only machine it runs gloo
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+}
+
+
+@pytest.mark.parametrize("method, launcher", [("gradient", "torchrun"), ("ablation", "torchrun"),
+                                              ("gradient", "accelerate")])
+def test_two_gloo_ranks_equal_one_process(method, launcher, tmp_path):
+    if launcher == "accelerate":
+        pytest.importorskip("accelerate")
     model = save_tiny("llama", tmp_path / "m")
     common = ["score", str(model), "--method", method, "--max-samples", "6", "--seq-len", "16", "--batch-size", "1",
               "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HEADTOOL_NO_PROGRESS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "headtool"]
-    dist = subprocess.run([*torchrun, *common, "-o", str(tmp_path / "dist.json")], capture_output=True, text=True,
+    dist = subprocess.run([*LAUNCHERS[launcher], "-m", "headtool", *common, "-o", str(tmp_path / "dist.json")], capture_output=True, text=True,
                           env=env, timeout=300, cwd=tmp_path)
     assert dist.returncode == 0, dist.stderr[-2000:]
     single = subprocess.run([sys.executable, "-m", "headtool", *common, "-o", str(tmp_path / "one.json")],
