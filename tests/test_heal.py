@@ -313,18 +313,28 @@ def test_data_parallel_two_ranks_equal_one_process_with_accumulation(pair, text,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HEADTOOL_TEST_TORCHRUN"), reason="set HEADTOOL_TEST_TORCHRUN=1 "
-                    "(starts 2 fresh processes: ~30 s on 2 cores)")
 def test_torchrun_cli(pair, text, tmp_path):
+    """`torchrun -m headtool heal` with 2 gloo ranks writes the weights that one process reaches with
+    the same batches accumulated 2 per step (fresh processes: the real launcher, the real CLI)."""
     teacher, student = pair
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HEADTOOL_NO_PROGRESS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "headtool",
-           "heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL, "--seed", "3",
-           "--max-steps", "4", "--lr", "3e-3", "--device", "cpu", "-o", str(tmp_path / "two"), "--json"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    common = ["heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL, "--seed", "3",
+              "--max-steps", "4", "--lr", "3e-3", "--device", "cpu", "--json"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "headtool"]
+    proc = subprocess.run([*launch, *common, "-o", str(tmp_path / "two")], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)  # only rank 0 prints
     assert two["world_size"] == 2 and two["steps"] == 4 and (tmp_path / "two" / "config.json").exists()
+    proc = subprocess.run([sys.executable, "-m", "headtool", *common, "--grad-accum", "2", "-o", str(tmp_path / "one")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = json.loads(proc.stdout)
+    assert two["tokens"] == one["tokens"]
+    assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- pieces
