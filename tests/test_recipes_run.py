@@ -83,3 +83,81 @@ def test_recipe_with_a_heal_step(tiny_folders, tmp_path):
     assert [s["step"] for s in steps] == ["load", "prune", "heal", "eval"]
     assert steps[2]["steps"] == 4 and steps[1]["heads"] == 8
     assert (tmp_path / "out" / "headtool.json").exists()
+
+
+def _weights_of(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_sequential_recipe_equals_the_plain_one(tiny_folders, tmp_path, monkeypatch):
+    """`sequential: true` routes compensation and data-aware merging through the one-layer-at-a-time
+    path (as --sequential does); on CPU it must write the weights of the plain run."""
+    body = (f"model: {tiny_folders['decoder']}\ndtype: float32\nseed: 0\ndevice: cpu\n"
+            "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 4}\n"
+            "steps:\n  - prune: {heads: '0:1,3;1:0,2', compensate: true}\n  - convert_gqa: {kv_heads: 1, merge: fit}\n")
+    import headtool.layerwise as layerwise
+
+    visits: list = []
+    real_on_device = layerwise.on_device
+
+    def spy(layer, device):
+        visits.append(device)
+        return real_on_device(layer, device)
+
+    monkeypatch.setattr(layerwise, "on_device", spy)
+    outs, placed = {}, {}
+    for name, extra in (("plain", ""), ("sequential", "sequential: true\n")):
+        visits.clear()
+        r = tmp_path / f"{name}.yaml"
+        r.write_text(extra + body)
+        res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / name), "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["recipe"].get("sequential") is (True if extra else None)
+        outs[name] = _weights_of(tmp_path / name)
+        placed[name] = {str(d) for d in visits}
+    assert placed["plain"] <= {"None"} and placed["sequential"] == {"cpu"}  # layers were sent to the device
+    assert outs["plain"].keys() == outs["sequential"].keys()
+    for k, v in outs["plain"].items():
+        torch.testing.assert_close(outs["sequential"][k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lines, needle", [
+    ("sequential: true\ndevice_map: auto\n", "device_map: sequential places layers itself"),
+    ("max_memory: cpu=1GiB\n", "max_memory: caps devices for device_map"),
+    ("device_map: auto\nmax_memory: gpu=lots\n", "max_memory: unknown device 'gpu'"),
+    ("sequential: yes please\n", "sequential:"),
+])
+def test_placement_keys_are_validated_with_their_location(tiny_folders, tmp_path, lines, needle):
+    r = tmp_path / "r.yaml"
+    r.write_text(f"model: {tiny_folders['decoder']}\n{lines}steps:\n  - score: {{method: magnitude}}\n")
+    res = runner.invoke(app, ["run", str(r), "--check"])
+    assert res.exit_code == 2, res.output
+    assert needle in res.stderr and f"{r}:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_offloaded_recipe_scores_and_evaluates_but_refuses_rewrites(tiny_folders, tmp_path):
+    pytest.importorskip("accelerate")
+    head = (f"model: {tiny_folders['decoder']}\ndtype: float32\ndevice: cpu\ndevice_map: auto\n"
+            "max_memory: cpu=200KB\ndata: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 4}\n")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(head + "steps:\n  - score: {method: gradient}\n  - eval: {}\n")
+    res = runner.invoke(app, ["run", str(ok), "--json"])
+    assert res.exit_code == 0, res.output
+    offloaded = json.loads(res.stdout)["steps"][-1]
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(head.replace("device_map: auto\nmax_memory: cpu=200KB\n", "")
+                     + "steps:\n  - score: {method: gradient}\n  - eval: {}\n")
+    res = runner.invoke(app, ["run", str(plain), "--json"])
+    assert res.exit_code == 0, res.output
+    assert offloaded["loss"] == pytest.approx(json.loads(res.stdout)["steps"][-1]["loss"], rel=1e-5)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(head + "steps:\n  - prune: {heads: '0:1'}\n")
+    res = runner.invoke(app, ["run", str(bad), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert "use sequential: true" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -15,7 +15,7 @@ import yaml
 
 from .data import DataSpec, make_batches
 from .errors import UsageError
-from .loading import LoadedModel, load_model
+from .loading import LoadedModel, has_offloaded_weights, load_model, resolve_device
 from .modelinfo import model_info
 from .objectives import DATA_TASK, resolve_objective
 from .recipes import Recipe, resolved, step_data, validate
@@ -35,6 +35,7 @@ class Context:
     recipe: Recipe
     lm: LoadedModel
     original: Any = None  # the unmodified model, kept when an eval or heal step needs it
+    calib_device: Any = None  # with `sequential: true`: the device each layer visits during calibration
     scores: list[list[float]] | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -123,7 +124,7 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
         evalb = ctx.batches(step_data(ctx.recipe, step, "eval_data"), DATA_TASK[objective], 16).batches
     result = prune(lm, selection, unit=step.get("unit", "query"), calib_batches=calib, heldout_batches=heldout,
                    compensate=bool(step.get("compensate")), damping=step.get("damping", 1e-2),
-                   eval_batches=evalb, objective=objective)
+                   eval_batches=evalb, objective=objective, calib_device=ctx.calib_device)
     ctx.scores = None  # scores refer to the heads before pruning
     ctx.meta.setdefault("kept_heads", [list(k) for k in result.selection.kept])
     out = {"heads_removed": result.summary()["heads_removed"]}
@@ -150,13 +151,13 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
         held = make_batches(dataclasses.replace(spec, skip_samples=spec.skip_samples + cal.info["samples"],
                                                 max_samples=max(4, cal.info["samples"] // 4), num_tokens=None),
                             lm.tokenizer, task)
-        grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+        grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=ctx.calib_device)
     best = best_loss = None
     tried = {}
     for m in methods:
         conv = convert_model(lm.model, lm.adapter, int(step["kv_heads"]), method=m, grouping=grouping, grams=grams,
                              refit=(m == "fit" and cal is not None), batches=cal.batches if cal else None,
-                             heldout_batches=held.batches if held else None)
+                             heldout_batches=held.batches if held else None, calib_device=ctx.calib_device)
         loss = evaluate(conv.model, held.batches, objective, label=f"held-out {m}")["loss"] if held else 0.0
         tried[m] = loss
         if best is None or loss < best_loss:
@@ -224,18 +225,27 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     v = recipe.values
     out = output or v.get("output")
     ow = bool(v.get("overwrite")) if overwrite is None else overwrite
-    lm = load_model(v["model"], dtype=v.get("dtype", "auto"), device=v.get("device", "auto"),
-                    trust_remote_code=bool(v.get("trust_remote_code")))
-    ctx = Context(recipe, lm)
+    device = v.get("device", "auto")
+    lm = load_model(v["model"], dtype=v.get("dtype", "auto"), device="cpu" if v.get("sequential") else device,
+                    trust_remote_code=bool(v.get("trust_remote_code")), device_map=v.get("device_map"),
+                    max_memory=v.get("max_memory"))
+    ctx = Context(recipe, lm, calib_device=resolve_device(device) if v.get("sequential") else None)
     check_geometry(ctx)
+    if has_offloaded_weights(lm.model):
+        rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "heal")})
+        if rewrites or out:
+            what = (f"the {' and '.join(rewrites)} step{'s need' if len(rewrites) > 1 else ' needs'}" if rewrites
+                    else "writing the output needs")
+            raise UsageError(f"{v['model']}: device_map offloaded weights to CPU or disk, and {what} them "
+                             "in memory: use sequential: true (one layer at a time on the device) instead")
     if out:
         check_output_target(out, lm.path, ow)
     if lm.tokenizer is None and any(s["step"] != "score" or s.get("method") not in ("magnitude", "random")
                                     for s in recipe.steps):
         raise UsageError(f"{v['model']}: no tokenizer files beside the model; recipe steps need data")
     source_fingerprint = lm.fingerprint
-    if any(s["step"] in ("eval", "heal") for s in recipe.steps):
-        ctx.original = copy.deepcopy(lm.model)
+    if any(s["step"] in ("eval", "heal") for s in recipe.steps) and not has_offloaded_weights(lm.model):
+        ctx.original = copy.deepcopy(lm.model)  # (offloaded: only score/eval steps, the model stays unchanged)
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
     for i, step in enumerate(recipe.steps):
         t0 = time.perf_counter()

@@ -94,7 +94,7 @@ STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads")}
 TOP_KEYS: dict[str, Check | str] = {
     "name": _STR, "description": _STR, "model": _STR, "dtype": _enum("auto", "float32", "bfloat16", "float16"),
     "device": _STR, "seed": _int_min(0), "trust_remote_code": _BOOL, "data": _DATA, "output": _STR,
-    "overwrite": _BOOL, "steps": "steps",
+    "overwrite": _BOOL, "sequential": _BOOL, "device_map": _STR, "max_memory": _STR, "steps": "steps",
 }
 
 
@@ -238,6 +238,7 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
         problems.append(f"{recipe.path}: model: required (a folder, .gguf file, packaged name or hub id)")
     elif isinstance(v["model"], str) and _looks_local(v["model"]) and not Path(os.path.expanduser(v["model"])).exists():
         problems.append(f"{recipe.where('model')}: model: not found: {v['model']}")
+    _check_placement(recipe, problems)
     steps = v.get("steps")
     if not isinstance(steps, list) or not steps:
         problems.append(f"{recipe.where('steps')}: steps: required, a non-empty list of steps")
@@ -263,6 +264,26 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
         geometry_check(recipe, problems)
     if problems:
         raise UsageError(f"recipe {recipe.path} has {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+def _check_placement(recipe: Recipe, problems: list[str]) -> None:
+    """sequential / device_map / max_memory: the same rules as the CLI's --sequential, --device-map
+    and --max-memory, reported at their place in the file."""
+    from .loading import parse_max_memory
+
+    v = recipe.values
+    if v.get("sequential") and v.get("device_map"):
+        problems.append(f"{recipe.where('device_map')}: device_map: sequential places layers itself: "
+                        "leave out device_map")
+    if v.get("max_memory") is not None:
+        if not v.get("device_map"):
+            problems.append(f"{recipe.where('max_memory')}: max_memory: caps devices for device_map: "
+                            "add device_map: auto")
+        elif isinstance(v["max_memory"], str):
+            try:
+                parse_max_memory(v["max_memory"])
+            except UsageError as e:
+                problems.append(f"{recipe.where('max_memory')}: max_memory: {str(e).removeprefix('--max-memory: ')}")
 
 
 def resolved(recipe: Recipe) -> dict[str, Any]:
