@@ -6,30 +6,17 @@ so every command spells them the same way and none repeats the list.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
+
+from .placement import LoadOptions
 
 
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
               "(smollm2-135m, all-minilm-l6-v2) or a hub id")
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    dtype: str = "auto"
-    device: str = "auto"
-    trust_remote_code: bool = False
-    device_map: str | None = None
-    max_memory: str | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code,
-                "device_map": self.device_map, "max_memory": self.max_memory}
 
 
 _MODEL_PARAMS = [
@@ -127,18 +114,6 @@ SequentialOpt = Annotated[bool, typer.Option(
     "--sequential", help="models larger than the device: keep the model on CPU and move one layer at a "
                          "time to --device for calibration (scoring and --eval-data run on CPU)",
     rich_help_panel="Model")]
-
-
-def sequential_placement(load: LoadOptions, sequential: bool) -> tuple[LoadOptions, Any]:
-    """(how to load, the device each layer visits during calibration or None) for --sequential."""
-    if not sequential:
-        return load, None
-    from .errors import UsageError
-    from .loading import resolve_device
-
-    if load.device_map:
-        raise UsageError("--sequential places layers itself: leave out --device-map")
-    return dataclasses.replace(load, device="cpu"), resolve_device(load.device)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]

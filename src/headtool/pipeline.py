@@ -15,9 +15,10 @@ import yaml
 
 from .data import DataSpec, make_batches
 from .errors import UsageError
-from .loading import LoadedModel, has_offloaded_weights, load_model, resolve_device
+from .loading import LoadedModel, has_offloaded_weights, load_model, require_resident_weights
 from .modelinfo import model_info
 from .objectives import DATA_TASK, resolve_objective
+from .placement import LoadOptions, sequential_placement
 from .recipes import Recipe, resolved, step_data, validate
 
 DEFAULT_CALIBRATION = 32  # blocks, when a step's data block gives no max_samples
@@ -225,26 +226,25 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     v = recipe.values
     out = output or v.get("output")
     ow = bool(v.get("overwrite")) if overwrite is None else overwrite
-    device = v.get("device", "auto")
-    lm = load_model(v["model"], dtype=v.get("dtype", "auto"), device="cpu" if v.get("sequential") else device,
+    load, calib_device = sequential_placement(
+        LoadOptions(dtype=v.get("dtype", "auto"), device=v.get("device", "auto"),
                     trust_remote_code=bool(v.get("trust_remote_code")), device_map=v.get("device_map"),
-                    max_memory=v.get("max_memory"))
-    ctx = Context(recipe, lm, calib_device=resolve_device(device) if v.get("sequential") else None)
+                    max_memory=v.get("max_memory")), bool(v.get("sequential")))
+    lm = load_model(v["model"], **load.kwargs())
+    ctx = Context(recipe, lm, calib_device=calib_device)
     check_geometry(ctx)
-    if has_offloaded_weights(lm.model):
-        rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "heal")})
-        if rewrites or out:
-            what = (f"the {' and '.join(rewrites)} step{'s need' if len(rewrites) > 1 else ' needs'}" if rewrites
-                    else "writing the output needs")
-            raise UsageError(f"{v['model']}: device_map offloaded weights to CPU or disk, and {what} them "
-                             "in memory: use sequential: true (one layer at a time on the device) instead")
+    offloaded = has_offloaded_weights(lm.model)
+    rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "heal")})
+    if rewrites or out:  # before any step runs, not in the middle of the recipe
+        require_resident_weights(lm.model, f"{v['model']}: the recipe ({', '.join(rewrites) or 'its output'})",
+                                 "use sequential: true (one layer at a time on the device) instead")
     if out:
         check_output_target(out, lm.path, ow)
     if lm.tokenizer is None and any(s["step"] != "score" or s.get("method") not in ("magnitude", "random")
                                     for s in recipe.steps):
         raise UsageError(f"{v['model']}: no tokenizer files beside the model; recipe steps need data")
     source_fingerprint = lm.fingerprint
-    if any(s["step"] in ("eval", "heal") for s in recipe.steps) and not has_offloaded_weights(lm.model):
+    if any(s["step"] in ("eval", "heal") for s in recipe.steps) and not offloaded:
         ctx.original = copy.deepcopy(lm.model)  # (offloaded: only score/eval steps, the model stays unchanged)
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
     for i, step in enumerate(recipe.steps):

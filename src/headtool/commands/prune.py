@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cli_common import (MODEL_HELP, JsonOpt, LoadOptions, SequentialOpt, data_options, model_options,
-                          sequential_placement)
+from ..cli_common import MODEL_HELP, JsonOpt, LoadOptions, SequentialOpt, data_options, model_options
+from ..placement import sequential_placement
 from ..errors import UsageError
 
 
