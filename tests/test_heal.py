@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from headtool.arch import adapter_for
@@ -23,7 +22,7 @@ from headtool.healing import (HealInterrupted, HealOptions, distill_terms, heal_
                               state_folder)
 from headtool.loading import load_model
 from headtool.lowrank import LowRankLinear, add_lowrank, merge_lowrank
-from tiny_models import logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
+from tiny_models import checkpoint_tensors, logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
 
@@ -76,13 +75,6 @@ def _heal(student, teacher, out, text, *extra):
     return json.loads(res.stdout)
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 # --------------------------------------------------------------------------- learning
 
 
@@ -102,7 +94,7 @@ def test_heal_lowers_distillation_loss_and_output_loads_like_input(pair, text, t
     src, out = json.loads((student / "config.json").read_text()), json.loads((tmp_path / "out" / "config.json").read_text())
     assert "auto_map" not in out and out["num_key_value_heads"] == src["num_key_value_heads"]
     lm = load_model(str(tmp_path / "out"), dtype="float32", device="cpu")
-    a, b = _weights(student), _weights(tmp_path / "out")
+    a, b = checkpoint_tensors(student), checkpoint_tensors(tmp_path / "out")
     assert a.keys() == b.keys()
     changed = {k for k in a if not torch.equal(a[k], b[k])}
     assert changed and all(".self_attn." in k for k in changed)
@@ -127,7 +119,7 @@ def test_heal_other_layouts(family, mode, text, tmp_path):
                 "--lr", "1e-2" if mode == "lora" else "3e-3")
     assert doc["after"]["distill"] < 0.97 * doc["before"]["distill"]
     assert doc["objective"] == ("mlm" if family == "bert" else "lm")
-    a, b = _weights(tmp_path / "s"), _weights(tmp_path / "o")
+    a, b = checkpoint_tensors(tmp_path / "s"), checkpoint_tensors(tmp_path / "o")
     assert a.keys() == b.keys()  # low-rank factors merged away
 
 
@@ -197,7 +189,7 @@ def test_interrupt_and_resume_equals_uninterrupted(pair, text, tmp_path, mode):
     assert resumed["resumed_from"] == 4 and resumed["steps"] == 9
     assert resumed["train_losses"] == pytest.approx(full["train_losses"], rel=1e-5, abs=1e-7)
     assert [e["step"] for e in resumed["evals"]] == [e["step"] for e in full["evals"]]
-    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "part")
+    a, b = checkpoint_tensors(tmp_path / "full"), checkpoint_tensors(tmp_path / "part")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     assert not state.exists()
@@ -307,7 +299,7 @@ def test_data_parallel_two_ranks_equal_one_process_with_accumulation(pair, text,
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["world_size"] == 2 and two["tokens"] == one["tokens"]
     assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5)
-    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    a, b = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
@@ -332,7 +324,7 @@ def test_torchrun_cli(pair, text, tmp_path):
     one = json.loads(proc.stdout)
     assert two["tokens"] == one["tokens"]
     assert two["train_losses"] == pytest.approx(one["train_losses"], rel=1e-5)
-    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    a, b = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from headtool.cli import app
 from headtool.loading import load_model
-from tiny_models import save_tiny, tiny_model, tokenizer_for
+from tiny_models import checkpoint_tensors, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
@@ -85,15 +85,6 @@ def test_recipe_with_a_heal_step(tiny_folders, tmp_path):
     assert (tmp_path / "out" / "headtool.json").exists()
 
 
-def _weights_of(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def test_sequential_recipe_equals_the_plain_one(tiny_folders, tmp_path, monkeypatch):
     """`sequential: true` routes compensation and data-aware merging through the one-layer-at-a-time
     path (as --sequential does); on CPU it must write the weights of the plain run."""
@@ -118,7 +109,7 @@ def test_sequential_recipe_equals_the_plain_one(tiny_folders, tmp_path, monkeypa
         res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / name), "--json"])
         assert res.exit_code == 0, res.output
         assert json.loads(res.stdout)["recipe"].get("sequential") is (True if extra else None)
-        outs[name] = _weights_of(tmp_path / name)
+        outs[name] = checkpoint_tensors(tmp_path / name)
         placed[name] = {str(d) for d in visits}
     assert placed["plain"] <= {"None"} and placed["sequential"] == {"cpu"}  # layers were sent to the device
     assert outs["plain"].keys() == outs["sequential"].keys()

@@ -10,14 +10,7 @@ from safetensors.torch import load_file
 from headtool.errors import UsageError
 from headtool.safetensors_stream import (LazyCheckpoint, checkpoint_index, parse_size, read_header,
                                          write_checkpoint_streaming)
-from tiny_models import tiny_model
-
-
-def _load_all(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
+from tiny_models import checkpoint_tensors, tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -30,7 +23,7 @@ def test_streamed_copy_is_identical_and_sharded(tmp_path, dtype):
     assert len(names) > 2 and names[-1] == "model.safetensors.index.json"
     index = json.loads((tmp_path / "out" / names[-1]).read_text())
     assert set(index["weight_map"]) == {e[0] for e in entries}
-    a, b = _load_all(tmp_path / "out"), load_file(tmp_path / "src" / "model.safetensors")
+    a, b = checkpoint_tensors(tmp_path / "out"), load_file(tmp_path / "src" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in b)
     assert checkpoint_index(tmp_path / "out").keys() == checkpoint_index(tmp_path / "src").keys()
 

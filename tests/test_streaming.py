@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from headtool.checkpoint import write_output
 from headtool.convert import convert_model
@@ -14,16 +13,9 @@ from headtool.loading import load_model
 from headtool.pruning import prune
 from headtool.selection import Selection
 from headtool.streaming import open_checkpoint, stream_convert_mean, stream_prune
-from tiny_models import logits_of, sample_ids, save_tiny
+from tiny_models import checkpoint_tensors, logits_of, sample_ids, save_tiny
 
 KEPT = {"uniform": [[0, 1], [0, 1], [0, 1]], "ragged": [[0, 1, 2, 3], [1, 3], [0, 2]]}
-
-
-def _tensors(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("family,layout", [("llama", "uniform"), ("llama", "ragged"), ("gpt2", "ragged"),
@@ -42,7 +34,7 @@ def test_stream_prune_matches_in_memory(family, layout, tmp_path):
     original = copy.deepcopy(reference)
     prune(lm, Selection.from_kept(lm.geometry, [tuple(k) for k in kept]))
     memory = write_output(tmp_path / "memory", model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta)
-    a, b = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
+    a, b = checkpoint_tensors(tmp_path / "streamed"), checkpoint_tensors(tmp_path / "memory")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     ca = json.loads((tmp_path / "streamed" / "config.json").read_text())
@@ -70,7 +62,7 @@ def test_stream_convert_mean_matches_in_memory(family, tmp_path):
     lm = load_model(str(src), dtype="float32", device="cpu")
     conv = convert_model(lm.model, lm.adapter, 1, method="mean")
     write_output(tmp_path / "memory", model=conv.model, tokenizer=lm.tokenizer, source=lm, meta={})
-    a, b = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
+    a, b = checkpoint_tensors(tmp_path / "streamed"), checkpoint_tensors(tmp_path / "memory")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "streamed" / "config.json").read_text())["num_key_value_heads"] == 1
 

@@ -101,3 +101,13 @@ def sample_ids(family: str, batch: int = 2, seq: int = 16, seed: int = 1) -> tor
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors shards, by name (to compare outputs)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
