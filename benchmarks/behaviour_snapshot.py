@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from headtool.cli import app  # noqa: E402
+from headtool.cli.app import app
 from tiny_models import ALL, save_tiny  # noqa: E402
 
 TIMING_KEYS = {"elapsed_s", "seconds", "headtool_version"}

@@ -16,11 +16,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from headtool import convert as C  # noqa: E402
-from headtool.calibration import attention_input_grams  # noqa: E402
-from headtool.data import DataSpec, make_batches  # noqa: E402
-from headtool.evaluation import evaluate  # noqa: E402
-from headtool.loading import load_model  # noqa: E402
+from headtool.surgery import merging as C
+from headtool.measure.calibration import attention_input_grams
+from headtool.data.sources import DataSpec
+from headtool.data.batches import make_batches
+from headtool.measure.evaluation import evaluate
+from headtool.model.loading import load_model
 
 RUNS = [("mean", False), ("aligned", False), ("aligned", True), ("fit", False), ("fit", True)]
 

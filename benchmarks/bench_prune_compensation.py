@@ -8,12 +8,13 @@ Prints one JSON line per variant; ratios are to the unpruned model on the same h
 """
 import copy, json, sys, time
 from dataclasses import replace
-from headtool.loading import load_model, model_from_object
-from headtool.data import DataSpec, make_batches
-from headtool.scoring import score_heads
-from headtool.selection import Target, select_heads
-from headtool.pruning import prune
-from headtool.evaluation import evaluate
+from headtool.model.loading import load_model, model_from_object
+from headtool.data.sources import DataSpec
+from headtool.data.batches import make_batches
+from headtool.measure.scoring import score_heads
+from headtool.surgery.selection import Target, select_heads
+from headtool.surgery.pruning import prune
+from headtool.measure.evaluation import evaluate
 
 n_cal = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 n_eval = int(sys.argv[2]) if len(sys.argv) > 2 else 16

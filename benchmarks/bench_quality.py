@@ -26,14 +26,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from headtool import convert as C  # noqa: E402
-from headtool.calibration import attention_input_grams  # noqa: E402
-from headtool.data import DataSpec, make_batches  # noqa: E402
-from headtool.evaluation import evaluate  # noqa: E402
-from headtool.loading import load_model, model_from_object  # noqa: E402
-from headtool.pruning import prune  # noqa: E402
-from headtool.scoring import score_heads  # noqa: E402
-from headtool.selection import Target, select_heads  # noqa: E402
+from headtool.surgery import merging as C
+from headtool.measure.calibration import attention_input_grams
+from headtool.data.sources import DataSpec
+from headtool.data.batches import make_batches
+from headtool.measure.evaluation import evaluate
+from headtool.model.loading import load_model, model_from_object
+from headtool.surgery.pruning import prune
+from headtool.measure.scoring import score_heads
+from headtool.surgery.selection import Target, select_heads
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("random", "magnitude", "taylor", "gradient", "ablation")

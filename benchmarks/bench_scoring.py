@@ -29,11 +29,12 @@ os.environ.setdefault("HEADTOOL_NO_PROGRESS", "1")
 
 import torch  # noqa: E402
 
-from headtool.data import DataSpec, make_batches  # noqa: E402
-from headtool.gates import head_gates  # noqa: E402
-from headtool.loading import load_model  # noqa: E402
-from headtool.objectives import forward_output, token_losses  # noqa: E402
-from headtool.scoring import score_heads  # noqa: E402
+from headtool.data.sources import DataSpec
+from headtool.data.batches import make_batches
+from headtool.measure.gates import head_gates
+from headtool.model.loading import load_model
+from headtool.measure.objectives import forward_output, token_losses
+from headtool.measure.scoring import score_heads
 
 RESULTS = Path(__file__).parent / "results" / "scoring.json"
 

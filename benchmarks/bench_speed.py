@@ -25,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from headtool.arch import LayerHeads  # noqa: E402
-from headtool.loading import load_model  # noqa: E402
-from headtool.speed import SpeedSpec, compare_speed  # noqa: E402
-from headtool.surgery import assemble, extract_heads  # noqa: E402
+from headtool.model.loading import load_model
+from headtool.measure.speed import SpeedSpec, compare_speed
+from headtool.arch.heads import assemble, extract_heads
 
 RESULTS = Path(__file__).parent / "results" / "speed.json"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from headtool.safetensors_stream import write_checkpoint_streaming
+from headtool.io.safetensors_stream import write_checkpoint_streaming
 
 
 def llama_shape(target_bytes: int, hidden: int = 2048, heads: int = 32, kv_heads: int = 8,

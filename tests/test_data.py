@@ -14,8 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _data_fixtures import bert_tokenizer, tiny_causal_tokenizer  # noqa: E402
 
-from headtool import data as hd  # noqa: E402
-from headtool.data import Batches, DataSpec, load_texts, make_batches  # noqa: E402
+from headtool.data import batches as hd
+from headtool.data.batches import Batches, make_batches
+from headtool.data.sources import DataSpec, load_texts
 from headtool.errors import UsageError  # noqa: E402
 
 SENTENCES = [

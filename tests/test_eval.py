@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from headtool.cli import app
+from headtool.cli.app import app
 from tiny_models import save_tiny
 
 runner = CliRunner()

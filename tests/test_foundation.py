@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from headtool.arch import adapter_for, supported_families
-from headtool.cli import app
+from headtool.cli.app import app
 from headtool.errors import UsageError
-from headtool.gates import head_gates
-from headtool.loading import load_model
-from headtool.modelinfo import model_info
+from headtool.measure.gates import head_gates
+from headtool.model.loading import load_model
+from headtool.model.info import model_info
 from tiny_models import ALL, FAMILIES, GQA, logits_of, sample_ids, save_tiny, tiny_model
 
 runner = CliRunner()
@@ -202,7 +202,7 @@ def test_families_table_is_complete():
 
 def test_fingerprint_of_a_large_tensor_samples_in_range():
     """float32 linspace rounds n-1 up to n past 2**24 elements (an IndexError on real embeddings)."""
-    from headtool.fingerprint import tensor_sample
+    from headtool.model.fingerprint import tensor_sample
 
     t = torch.zeros(28_311_552 // 64, 64)
     assert len(tensor_sample(t)) == 256 * 2

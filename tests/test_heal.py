@@ -15,13 +15,13 @@ import torch
 from typer.testing import CliRunner
 
 from headtool.arch import adapter_for
-from headtool.cli import app
-from headtool.data import DataSpec
+from headtool.cli.app import app
+from headtool.data.sources import DataSpec
 from headtool.errors import UsageError
-from headtool.healing import (HealInterrupted, HealOptions, distill_terms, heal_checkpoint, lr_lambda,
-                              state_folder)
-from headtool.loading import load_model
-from headtool.lowrank import LowRankLinear, add_lowrank, merge_lowrank
+from headtool.train.healing import (HealInterrupted, HealOptions, distill_terms, heal_checkpoint, lr_lambda,
+    state_folder)
+from headtool.model.loading import load_model
+from headtool.train.lowrank import LowRankLinear, add_lowrank, merge_lowrank
 from tiny_models import checkpoint_tensors, logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
@@ -137,9 +137,9 @@ def test_heal_headless_encoder_matches_hidden_states(text, tmp_path):
 
 def test_heal_really_pruned_non_uniform_student(text, tmp_path):
     """A student with different heads per layer (headtool's own config + modeling file) stays so."""
-    from headtool.checkpoint import write_output
-    from headtool.resize import resize_attention
-    from headtool.surgery import keep_for_query_heads, prune_layer_tensors
+    from headtool.io.output import write_output
+    from headtool.model.resize import resize_attention
+    from headtool.arch.heads import keep_for_query_heads, prune_layer_tensors
 
     teacher = save_tiny("llama", tmp_path / "t")
     lm = load_model(str(teacher), dtype="float32", device="cpu")
@@ -258,7 +258,7 @@ def test_bad_usage(pair, text, tmp_path):
 def _rank_main(rank: int, port: int, args: tuple, kw: dict, result: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from headtool.healing import World, finish_world
+    from headtool.train.healing import World, finish_world
 
     try:
         doc = heal_checkpoint(*args, **kw)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from headtool.arch import adapter_for
-from headtool.inspection import head_output_maps, inspect_heads, o_weight_tensor, parse_heads
-from headtool.surgery import extract_heads
+from headtool.measure.inspection import head_output_maps, inspect_heads, o_weight_tensor, parse_heads
+from headtool.arch.heads import extract_heads
 from headtool.errors import UsageError
 from tiny_models import sample_ids, tiny_model
 

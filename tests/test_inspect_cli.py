@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import needs_smollm2
-from headtool.cli import app
+from headtool.cli.app import app
 from tiny_models import save_tiny
 
 runner = CliRunner()
@@ -122,7 +122,7 @@ def test_inspect_mha_conv1d_model(tmp_path, text_file):
 def test_inspect_smollm2_shapes(smollm2):
     import torch
 
-    from headtool.inspection import inspect_heads
+    from headtool.measure.inspection import inspect_heads
 
     ids = smollm2.tokenizer("def f(x):\n    return x + 1\n\nThe quick brown fox jumps over the lazy dog.",
                             return_tensors="pt")["input_ids"]

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from headtool.arch import adapter_for
-from headtool.calibration import attention_input_grams
-from headtool.compensation import o_proj_matrix, ridge_solution, sequential_refit, set_o_proj_matrix, _accumulate
-from headtool.layerwise import Replayer, real_tokens, record_inputs
-from headtool.pruning import prune_layer
+from headtool.measure.calibration import attention_input_grams
+from headtool.surgery.compensation import (_accumulate, o_proj_matrix, ridge_solution, sequential_refit,
+    set_o_proj_matrix)
+from headtool.measure.layerwise import Replayer, real_tokens, record_inputs
+from headtool.surgery.pruning import prune_layer
 from tiny_models import ALL, sample_ids, tiny_model
 
 
@@ -130,7 +131,7 @@ def test_sequential_refit_equals_the_plain_full_forward_refit(family):
     geo = adapter.geometry(base.config)
     batches = _batches(family)
     layers = list(range(len(geo)))
-    from headtool.compensation import o_columns
+    from headtool.surgery.compensation import o_columns
 
     def on_layer_for(model):
         def on_layer(layer, stats=None, held=None):

@@ -8,9 +8,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from headtool.cli import app
+from headtool.cli.app import app
 from headtool.errors import UsageError
-from headtool.loading import has_offloaded_weights, load_model, parse_max_memory
+from headtool.model.placement import has_offloaded_weights, parse_max_memory
+from headtool.model.loading import load_model
 from tiny_models import save_tiny
 
 pytest.importorskip("accelerate")

@@ -12,12 +12,12 @@ import torch
 from typer.testing import CliRunner
 
 from headtool.arch import LAYOUT_KEY
-from headtool.checkpoint import write_output
-from headtool.cli import app
-from headtool.gates import head_gates
-from headtool.loading import load_model
-from headtool.pruning import markdown_table, prune
-from headtool.selection import Selection
+from headtool.io.output import write_output
+from headtool.cli.app import app
+from headtool.measure.gates import head_gates
+from headtool.model.loading import load_model
+from headtool.surgery.pruning import markdown_table, prune
+from headtool.surgery.selection import Selection
 from tiny_models import ALL, FAMILIES, logits_of, sample_ids, save_tiny
 
 runner = CliRunner()

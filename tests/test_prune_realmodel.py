@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 
 from conftest import needs_smollm2
-from headtool.data import DataSpec, make_batches
-from headtool.evaluation import evaluate
-from headtool.loading import model_from_object
-from headtool.pruning import prune
-from headtool.scoring import score_heads
-from headtool.selection import Target, select_heads
+from headtool.data.sources import DataSpec
+from headtool.data.batches import make_batches
+from headtool.measure.evaluation import evaluate
+from headtool.model.loading import model_from_object
+from headtool.surgery.pruning import prune
+from headtool.measure.scoring import score_heads
+from headtool.surgery.selection import Target, select_heads
 
 
 @pytest.mark.realmodel

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import needs_minilm, needs_smollm2
-from headtool.cli import app
+from headtool.cli.app import app
 
 runner = CliRunner()
 pytestmark = pytest.mark.realmodel

@@ -8,8 +8,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from headtool.cli import app
-from headtool.loading import load_model
+from headtool.cli.app import app
+from headtool.model.loading import load_model
 from tiny_models import checkpoint_tensors, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
@@ -91,7 +91,7 @@ def test_sequential_recipe_equals_the_plain_one(tiny_folders, tmp_path, monkeypa
     body = (f"model: {tiny_folders['decoder']}\ndtype: float32\nseed: 0\ndevice: cpu\n"
             "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 4}\n"
             "steps:\n  - prune: {heads: '0:1,3;1:0,2', compensate: true}\n  - convert_gqa: {kv_heads: 1, merge: fit}\n")
-    import headtool.layerwise as layerwise
+    import headtool.measure.layerwise as layerwise
 
     visits: list = []
     real_on_device = layerwise.on_device

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from headtool.errors import UsageError
-from headtool.recipes import apply_overrides, load_recipe, validate
+from headtool.workflows.recipe_schema import apply_overrides, load_recipe, validate
 
 BROKEN = """\
 name: broken

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from headtool.cli import app
+from headtool.cli.app import app
 from tiny_models import save_tiny
 
 runner = CliRunner()
@@ -398,7 +398,7 @@ def test_disk_full_while_writing(where: str, base: Path, tmp_path: Path, monkeyp
     """No space left: exit 1 (a failure while running, the input was fine), one clear line, nothing left."""
     import transformers.modeling_utils as mu
 
-    import headtool.checkpoint as ck
+    import headtool.io.output as ck
 
     if where == "safetensors":
         monkeypatch.setattr(mu, "safe_save_file", _enospc)
@@ -419,7 +419,7 @@ def test_disk_full_while_writing(where: str, base: Path, tmp_path: Path, monkeyp
 
 def test_disk_full_writing_scores(base: Path, tmp_path: Path, monkeypatch) -> None:
     """The score document is written atomically too: a failed write leaves no file."""
-    import headtool.scores_doc as sd
+    import headtool.measure.scores_doc as sd
 
     monkeypatch.setattr(sd.os, "replace", _enospc)
     out = tmp_path / "s.json"
@@ -538,7 +538,7 @@ FORBIDDEN = ("open(", "urllib", "requests", "subprocess", "os.system", "__import
 
 
 def _modeling_sources() -> dict[str, str]:
-    from headtool.resize import modeling_file_source
+    from headtool.templates import modeling_file_source
 
     src = Path(__file__).parents[1] / "src" / "headtool" / "templates" / "modeling_headtool.py"
     return {"template": src.read_text(),

@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from headtool.errors import UsageError
-from headtool.safetensors_stream import (LazyCheckpoint, checkpoint_index, parse_size, read_header,
-                                         write_checkpoint_streaming)
+from headtool.io.safetensors_stream import (LazyCheckpoint, checkpoint_index, read_header,
+    write_checkpoint_streaming)
+from headtool.io.sizes import parse_size
 from tiny_models import checkpoint_tensors, tiny_model
 
 
@@ -52,8 +53,8 @@ def test_parse_size():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_element_reads_match_the_whole_tensor_and_the_fingerprint(tmp_path, dtype):
     """The streaming fingerprint reads only sampled elements; they must be the loaded tensor's."""
-    from headtool.fingerprint import model_fingerprint
-    from headtool.streaming import open_checkpoint
+    from headtool.model.fingerprint import model_fingerprint
+    from headtool.surgery.streaming import open_checkpoint
 
     model = tiny_model("llama").to(dtype)
     model.save_pretrained(tmp_path / "m")

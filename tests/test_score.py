@@ -9,11 +9,11 @@ import torch
 
 from headtool.arch import adapter_for
 from headtool.errors import HeadtoolError, UsageError
-from headtool.gates import head_gates
-from headtool.objectives import forward_output, objective_losses
-from headtool.scoring import (kv_group_scores, magnitude_scores, normalize_scores, random_scores, removal_counts,
-                              score_heads)
-from headtool.surgery import extract_heads
+from headtool.measure.gates import head_gates
+from headtool.measure.objectives import forward_output, objective_losses
+from headtool.measure.scoring import (kv_group_scores, magnitude_scores, normalize_scores, random_scores,
+    removal_counts, score_heads)
+from headtool.arch.heads import extract_heads
 from tiny_models import ALL, FAMILIES, tiny_model, sample_ids
 
 # OPT uses ReLU: a wide finite-difference step would cross its kinks. The other families compute

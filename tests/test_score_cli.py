@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from headtool.cli import app
+from headtool.cli.app import app
 from headtool.errors import UsageError
-from headtool.loading import load_model
-from headtool.scores_doc import FORMAT, read_scores
+from headtool.model.loading import load_model
+from headtool.measure.scores_doc import FORMAT, read_scores
 from tiny_models import save_tiny
 
 runner = CliRunner()
@@ -163,7 +163,7 @@ def test_bad_input_exits_2_with_one_line(folders, args, message):
 
 
 def test_missing_matplotlib_is_a_usage_error_naming_pip(monkeypatch):
-    from headtool import plotting
+    from headtool.cli import plotting
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(UsageError, match="pip install matplotlib"):
@@ -171,7 +171,7 @@ def test_missing_matplotlib_is_a_usage_error_naming_pip(monkeypatch):
 
 
 def test_plot_is_written_for_ragged_scores_with_marks(tmp_path):
-    from headtool.plotting import plot_heatmap
+    from headtool.cli.plotting import plot_heatmap
 
     p = plot_heatmap([[0.1, 0.5, 0.2], [0.9]], str(tmp_path / "r.png"), title="ragged", marked=[[0, 1]])
     assert Path(p).read_bytes()[:4] == b"\x89PNG"

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import needs_minilm, needs_smollm2
-from headtool.cli import app
+from headtool.cli.app import app
 
 pytestmark = pytest.mark.realmodel
 runner = CliRunner()

@@ -5,8 +5,8 @@ import pytest
 
 from headtool.arch import LayerHeads
 from headtool.errors import UsageError
-from headtool.selection import (Target, candidate_sets, choose_removal, parse_heads, removal_steps,
-                                select_heads, selection_from_removed)
+from headtool.surgery.selection import (Target, candidate_sets, choose_removal, parse_heads, removal_steps,
+    select_heads, selection_from_removed)
 
 MHA = [LayerHeads(4, 4, 8)] * 3
 GQA = [LayerHeads(6, 2, 8)] * 2  # groups {0,1,2} {3,4,5}

@@ -7,10 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from headtool.cli import app
-from headtool.modelinfo import kv_cache_bytes_per_token
+from headtool.cli.app import app
+from headtool.model.info import kv_cache_bytes_per_token
 from headtool.arch import adapter_for
-from headtool.speed import SpeedSpec, cache_bytes, measure_models
+from headtool.measure.speed import SpeedSpec, cache_bytes, measure_models
 from headtool.errors import UsageError
 from tiny_models import save_tiny, sample_ids, tiny_model
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from headtool.checkpoint import write_output
-from headtool.convert import convert_model
-from headtool.loading import load_model
-from headtool.pruning import prune
-from headtool.selection import Selection
-from headtool.streaming import open_checkpoint, stream_convert_mean, stream_prune
+from headtool.io.output import write_output
+from headtool.surgery.merging import convert_model
+from headtool.model.loading import load_model
+from headtool.surgery.pruning import prune
+from headtool.surgery.selection import Selection
+from headtool.surgery.streaming import open_checkpoint, stream_convert_mean, stream_prune
 from tiny_models import checkpoint_tensors, logits_of, sample_ids, save_tiny
 
 KEPT = {"uniform": [[0, 1], [0, 1], [0, 1]], "ragged": [[0, 1, 2, 3], [1, 3], [0, 2]]}

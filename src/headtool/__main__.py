@@ -1,4 +1,4 @@
 """`python -m headtool` (also what `torchrun -m headtool` runs)."""
-from .cli import main
+from .cli.app import main
 
 main()

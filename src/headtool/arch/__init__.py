@@ -1,7 +1,16 @@
 """Architecture adapters and their registry: the only code that knows model layouts."""
 from __future__ import annotations
 
-from .base import KINDS, LAYOUT_KEY, RESIZE_QUANTITIES, RESIZE_SPEC_KEY, Adapter, ConfigSupport, HeadTensor, LayerHeads
+from .base import (
+    KINDS,
+    LAYOUT_KEY,
+    RESIZE_QUANTITIES,
+    RESIZE_SPEC_KEY,
+    Adapter,
+    ConfigSupport,
+    HeadTensor,
+    LayerHeads,
+)
 from .registry import adapter_for, supported_families
 
 __all__ = [

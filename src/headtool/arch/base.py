@@ -260,7 +260,7 @@ class Adapter:
         """JSON-able description of how to resize a layer's attention to a new geometry.
 
         Stored in remote-code output configs (RESIZE_SPEC_KEY) and executed by the
-        self-contained modeling file as well as by `headtool.resize` (one implementation).
+        self-contained modeling file as well as by `headtool.model.resize` (one implementation).
         """
         return {
             "layers_path": self.layers_path,

@@ -1,0 +1,202 @@
+"""The `headtool` command line: parses, calls the library, renders. No math here."""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import traceback
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 vendors click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
+from ..console import err_console, print_json
+from ..errors import HeadtoolError, UsageError
+from ..version import __version__
+from .options import MODEL_HELP, JsonOpt, LoadOptions, data_options, model_options
+
+_state = {"debug": False}
+
+
+def _debug() -> bool:
+    return _state["debug"] or os.environ.get("HEADTOOL_DEBUG", "") not in ("", "0")
+
+
+class HeadtoolGroup(TyperGroup):
+    """Maps headtool's errors to one line on stderr and an exit code (2 usage, 1 failure)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, click_exc.ClickException):
+            raise
+        except HeadtoolError as e:
+            if _debug():
+                traceback.print_exc()
+            err_console().print(f"error: {e}", markup=False, style="red", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console().print("interrupted", style="yellow")
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            try:
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+            except OSError:
+                pass
+            raise typer.Exit(0) from None
+        except OSError as e:  # a failure of the machine (disk full, permissions): one line, exit 1
+            if _debug():
+                traceback.print_exc()
+            where = f" ({e.filename})" if e.filename else ""
+            what = (f"no space left on device{where}; free some space or write elsewhere"
+                    if e.errno == errno.ENOSPC else f"{e.strerror or str(e).splitlines()[0]}{where}")
+            err_console().print(f"error: {what}", markup=False, style="red",
+                                highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except MemoryError:
+            err_console().print("error: out of memory; try a smaller --batch-size or --seq-len",
+                                style="red")
+            raise typer.Exit(1) from None
+        except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+            if _debug():
+                traceback.print_exc()
+            else:
+                err_console().print(
+                    f"error: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                    "(run with --debug for the traceback and please report it)",
+                    markup=False, style="red", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+
+app = typer.Typer(
+    cls=HeadtoolGroup,
+    name="headtool",
+    help="Score, prune and merge attention heads; write smaller checkpoints that reload anywhere.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"headtool {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="print the version")] = None,
+) -> None:
+    _state["debug"] = debug
+
+
+@app.command()
+@model_options
+def info(
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
+    json_out: JsonOpt = False,
+    load: LoadOptions = LoadOptions(),
+) -> None:
+    """Architecture, layers, query/KV heads, head_dim, parameters, KV-cache bytes per token.
+
+    Example: headtool info smollm2-135m --json | jq .num_kv_heads
+    """
+    from ..model.info import model_info
+    from ..model.loading import load_model
+    from .render import info_table
+
+    lm = load_model(model, **load.kwargs())
+    figures = {**model_info(lm.model, lm.adapter), "path": lm.path}
+    err_console().print(info_table(model, figures))
+    if json_out:
+        print_json(figures)
+
+
+@app.command("eval")
+@model_options
+@data_options()
+def eval_cmd(
+    models: Annotated[list[str], typer.Argument(help="one or more models; deltas are against the first")],
+    objective: Annotated[str, typer.Option("--objective", help="auto | lm | mlm | classification")] = "auto",
+    speed: Annotated[bool, typer.Option("--speed", help="measure inference speed and memory instead of loss",
+                                        rich_help_panel="Speed")] = False,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="sequences per forward (default 1)",
+                                                 rich_help_panel="Speed")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default 1024)",
+                                                   rich_help_panel="Speed")] = None,
+    new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="decode steps with the KV cache "
+                                                      "(default 32)", rich_help_panel="Speed")] = None,
+    repeats: Annotated[Optional[int], typer.Option("--repeats", help="timed runs per model; the median is "
+                                                   "reported (default 5)", rich_help_panel="Speed")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", help="untimed runs first (default 1)",
+                                                  rich_help_panel="Speed")] = None,
+    json_out: JsonOpt = False,
+    load: LoadOptions = LoadOptions(),
+    data_spec=None,
+) -> None:
+    """Loss and perplexity (or accuracy) of models side by side, on exactly the same batches.
+
+    With --speed: prefill and decode tokens/s, KV-cache bytes and peak memory growth instead,
+    measured interleaved on the same tokens (median, ratio to the first model).
+
+    Example: headtool eval smollm2-135m pruned/ --data builtin:pydoc --max-samples 32
+    Example: headtool eval smollm2-135m mqa/ --speed --batch 2 --context 1024 --new-tokens 32
+    """
+    from ..data.sources import DataSpec
+
+    speed_opts = {"batch": batch, "context": context, "new_tokens": new_tokens, "repeats": repeats,
+                  "warmup": warmup}
+    if speed:
+        from ..measure.speed import SpeedSpec, compare_speed
+        from .render import speed_table
+
+        spec = SpeedSpec(**{k: v for k, v in speed_opts.items() if v is not None})
+        ds = data_spec or DataSpec()
+        doc = compare_speed(models, spec, load.kwargs(), source=ds.source, seed=ds.seed)
+        err_console().print(speed_table(doc))
+        if json_out:
+            print_json(doc)
+        return
+    given = [f"--{k.replace('_', '-')}" for k, v in speed_opts.items() if v is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --speed")
+
+    from ..measure.evaluation import compare_models
+    from .render import eval_table
+
+    result = compare_models(models, data_spec or DataSpec(), objective, load.kwargs())
+    err_console().print(eval_table(result))
+    if json_out:
+        print_json(result)
+
+
+def _register_commands() -> None:
+    """Commands living in their own modules register themselves here (imports stay light:
+    each command imports torch-heavy modules only when it runs)."""
+    from .commands import convert, demo, heal, inspect, prune, score
+    from .commands import run as recipes
+
+    for mod in (score, prune, convert, inspect, heal, recipes, demo):
+        mod.register(app)
+
+
+_register_commands()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    if "--debug" in sys.argv[1:]:
+        _state["debug"] = True
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""One module per command group; each registers its commands on the app."""

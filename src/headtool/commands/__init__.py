@@ -1,1 +1,0 @@
-"""One module per command; each exposes `register(app)`."""

@@ -1,0 +1,384 @@
+"""Token batches from a DataSpec: packed blocks for language models (masked for MLM), padded
+examples for classification; the same spec and tokenizer always give byte-identical tensors.
+
+Selection is prefix-stable: blocks (or examples) are ordered by a seeded shuffle
+that does not depend on ``max_samples`` or ``skip_samples``, so
+``skip_samples=N`` with the same seed always gives data disjoint from the first N.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import UsageError
+from .sources import DataSpec, load_source
+
+log = logging.getLogger(__name__)
+
+TASKS = ("lm", "mlm", "classification", "plain")
+
+#: Blocks are shuffled within consecutive chunks of about this many tokens. The
+#: chunking keeps selection independent of max/skip (so held-out data stays
+#: disjoint) while only tokenizing the first chunk(s) of a large corpus.
+CHUNK_TOKENS = 1 << 20
+
+MLM_PROBABILITY = 0.15
+_TOKENIZE_BATCH_CHARS = 200_000
+
+
+@dataclass
+class Batches:
+    """Token batches plus a JSON-ready description of where they came from."""
+
+    batches: list[dict[str, torch.Tensor]]
+    info: dict = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.batches[index]
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens over all batches."""
+        return int(sum(int(b["attention_mask"].sum()) for b in self.batches))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _validate(spec: DataSpec, task: str, tokenizer: Any) -> None:
+    if task not in TASKS:
+        raise UsageError(f"unknown data task '{task}'; use one of: {', '.join(TASKS)}")
+    if tokenizer is None or not callable(tokenizer):
+        raise UsageError("a tokenizer is needed to make token batches")
+    if not isinstance(spec.seq_len, int) or spec.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2 (got {spec.seq_len})")
+    if not isinstance(spec.batch_size, int) or spec.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1 (got {spec.batch_size})")
+    if spec.max_samples is not None and spec.max_samples < 1:
+        raise UsageError(f"--max-samples must be at least 1 (got {spec.max_samples})")
+    if spec.num_tokens is not None and spec.num_tokens < 1:
+        raise UsageError(f"--num-tokens must be at least 1 (got {spec.num_tokens})")
+    if spec.num_tokens is not None and spec.num_tokens < spec.seq_len:
+        raise UsageError(
+            f"--num-tokens {spec.num_tokens} is less than one block of --seq-len {spec.seq_len}; "
+            "raise --num-tokens or lower --seq-len"
+        )
+    if spec.skip_samples < 0:
+        raise UsageError(f"--skip-samples must be 0 or more (got {spec.skip_samples})")
+    mml = getattr(tokenizer, "model_max_length", None)
+    if isinstance(mml, int) and 0 < mml < 1_000_000 and spec.seq_len > mml:
+        raise UsageError(
+            f"--seq-len {spec.seq_len} is longer than the tokenizer's maximum length {mml}; use --seq-len {mml} or less"
+        )
+
+
+def _sample_cap(spec: DataSpec) -> int | None:
+    """max_samples, num_tokens // seq_len, or the smaller of the two when both are given."""
+    caps = []
+    if spec.max_samples is not None:
+        caps.append(spec.max_samples)
+    if spec.num_tokens is not None:
+        caps.append(spec.num_tokens // spec.seq_len)
+    return min(caps) if caps else None
+
+
+def _order(n: int, chunk: int, seed: int) -> torch.Tensor:
+    """Seeded order of n items, shuffled within consecutive chunks of `chunk`.
+
+    Chunk k's permutation depends only on (seed, chunk sizes before k), which are all
+    full: the order of the first m chunks is the same however far the corpus was read.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    parts = [torch.randperm(min(chunk, n - s), generator=g) + s for s in range(0, n, chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _select(n: int, chunk: int, spec: DataSpec, cap: int | None, what: str) -> tuple[torch.Tensor, str]:
+    """Indices (in corpus order) of the chosen items and how they were chosen."""
+    if cap is None and spec.skip_samples == 0:
+        return torch.arange(n), "sequential"
+    order = _order(n, chunk, spec.seed)
+    stop = None if cap is None else spec.skip_samples + cap
+    chosen = order[spec.skip_samples : stop]
+    if chosen.numel() == 0:
+        raise UsageError(
+            f"--skip-samples {spec.skip_samples} leaves no data: there are only {n} {what}; "
+            "lower --skip-samples (or --seq-len)"
+        )
+    if cap is not None and chosen.numel() < cap:
+        log.warning("asked for %d %s but only %d are available; using %d", cap, what, chosen.numel(), chosen.numel())
+    return torch.sort(chosen).values, "shuffled"
+
+
+def _separator_id(tokenizer: Any) -> int | None:
+    for attr in ("eos_token_id", "sep_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _encoder_wrap(tokenizer: Any, task: str) -> tuple[int, int] | None:
+    if task not in ("mlm", "plain"):
+        return None
+    cls, sep = getattr(tokenizer, "cls_token_id", None), getattr(tokenizer, "sep_token_id", None)
+    if isinstance(cls, int) and isinstance(sep, int):
+        return cls, sep
+    return None
+
+
+def _tokenize(tokenizer: Any, texts: list[str], **kw: Any) -> list[list[int]]:
+    enc = tokenizer(texts, verbose=False, **kw)
+    return [list(x) for x in enc["input_ids"]]
+
+
+def _token_stream(
+    tokenizer: Any, texts: list[str], block: int, target_blocks: int | None
+) -> tuple[list[int], bool]:
+    """Tokens of the texts joined by the separator; stops once target_blocks are there.
+
+    Returns (stream, exhausted): exhausted is False when reading stopped early.
+    """
+    sep = _separator_id(tokenizer)
+    stream: list[int] = []
+    i, n = 0, len(texts)
+    while i < n:
+        j, chars = i, 0
+        while j < n and (j == i or chars + len(texts[j]) <= _TOKENIZE_BATCH_CHARS):
+            chars += len(texts[j])
+            j += 1
+        batch = [t for t in texts[i:j] if t.strip()]
+        i = j
+        if not batch:
+            continue
+        for ids in _tokenize(tokenizer, batch, add_special_tokens=False):
+            if not ids:
+                continue
+            if stream and sep is not None:
+                stream.append(sep)
+            stream.extend(ids)
+        if target_blocks is not None and len(stream) // block >= target_blocks and i < n:
+            return stream, False
+    return stream, True
+
+
+def _fingerprint(batches: list[dict[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        for k in sorted(b):
+            h.update(k.encode())
+            h.update(b[k].contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _split_batches(tensors: dict[str, torch.Tensor], batch_size: int) -> list[dict[str, torch.Tensor]]:
+    n = next(iter(tensors.values())).shape[0]
+    return [{k: v[s : s + batch_size].clone() for k, v in tensors.items()} for s in range(0, n, batch_size)]
+
+
+def _mask_tokens(ids: torch.Tensor, tokenizer: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT-style masking: 15% of non-special positions; of those 80% [MASK], 10% random, 10% kept.
+
+    Every row with a maskable position gets at least one masked position, so no batch
+    has an undefined (all -100) loss.
+    """
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if not isinstance(mask_id, int):
+        raise UsageError("masked-LM data needs a tokenizer with a mask token; this tokenizer has none")
+    special_ids = sorted({int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None})
+    special = torch.isin(ids, torch.tensor(special_ids, dtype=ids.dtype)) if special_ids else torch.zeros_like(ids, dtype=torch.bool)
+    g = torch.Generator().manual_seed(int(seed))
+    maskable = ~special
+    masked = (torch.rand(ids.shape, generator=g) < MLM_PROBABILITY) & maskable
+    pick = torch.rand(ids.shape, generator=g).masked_fill(~maskable, -1.0).argmax(dim=1)
+    need = ~masked.any(dim=1) & maskable.any(dim=1)
+    masked[need, pick[need]] = True
+    how = torch.rand(ids.shape, generator=g)
+    vocab = len(tokenizer)
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    in_vocab = [i for i in special_ids if 0 <= i < vocab]
+    if in_vocab:
+        allowed[torch.tensor(in_vocab)] = False
+    allowed_ids = allowed.nonzero().squeeze(1)
+    random_ids = allowed_ids[torch.randint(len(allowed_ids), ids.shape, generator=g)]
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    out = ids.clone()
+    out[masked & (how < 0.8)] = mask_id
+    rnd = masked & (how >= 0.8) & (how < 0.9)
+    out[rnd] = random_ids[rnd]
+    return out, labels
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _base_info(spec: DataSpec, task: str, split: str | None) -> dict:
+    info: dict = {"source": spec.source, "split": split, "seq_len": spec.seq_len, "seed": spec.seed, "task": task}
+    if spec.source.startswith("builtin:"):
+        info["source_version"] = "python " + ".".join(map(str, sys.version_info[:3]))
+    return info
+
+
+def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
+    loaded = load_source(spec, want_labels=False)
+    where = spec.source if spec.source != "-" else "stdin"
+    if not any(t.strip() for t in loaded.texts):
+        raise UsageError(f"no text found in {where}" + (f" (column '{loaded.text_column}')" if loaded.text_column else ""))
+    wrap = _encoder_wrap(tokenizer, task)
+    block = spec.seq_len - 2 if wrap else spec.seq_len
+    if block < 1:
+        raise UsageError(f"--seq-len must be at least 3 for encoder inputs ([CLS] text [SEP]); got {spec.seq_len}")
+    cap = _sample_cap(spec)
+    chunk = max(1, CHUNK_TOKENS // spec.seq_len)
+    target = None if cap is None else math.ceil((spec.skip_samples + cap) / chunk) * chunk
+    stream, exhausted = _token_stream(tokenizer, loaded.texts, block, target)
+    n_blocks = len(stream) // block
+    if not exhausted:  # keep whole chunks only, so the order matches a full read
+        n_blocks = min(n_blocks, target or n_blocks)
+    if n_blocks == 0:
+        extra = 2 if wrap else 0
+        raise UsageError(
+            f"{where} has only {len(stream)} tokens, fewer than one block of --seq-len {spec.seq_len}; "
+            f"use --seq-len {max(2, len(stream) + extra)} or less, or more text"
+        )
+    chosen, selection = _select(n_blocks, chunk, spec, cap, f"blocks of {spec.seq_len} tokens")
+    ids = torch.tensor(stream[: n_blocks * block], dtype=torch.long).view(n_blocks, block)[chosen]
+    if wrap:
+        cls, sep = wrap
+        ids = torch.cat(
+            [torch.full((ids.shape[0], 1), cls, dtype=torch.long), ids, torch.full((ids.shape[0], 1), sep, dtype=torch.long)],
+            dim=1,
+        )
+    tensors: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    info = _base_info(spec, task, loaded.split)
+    if task == "lm":
+        tensors["labels"] = ids.clone()
+    elif task == "mlm":
+        tensors["input_ids"], tensors["labels"] = _mask_tokens(ids, tokenizer, spec.seed)
+        info["mlm_probability"] = MLM_PROBABILITY
+        info["masked_tokens"] = int((tensors["labels"] != -100).sum())
+    batches = _split_batches(tensors, spec.batch_size)
+    info.update(
+        samples=int(ids.shape[0]),
+        tokens=int(ids.numel()),
+        batch_size=spec.batch_size,
+        num_batches=len(batches),
+        skip_samples=spec.skip_samples,
+        selection=selection,
+        available_samples=n_blocks,
+        corpus_fully_read=exhausted,
+        text_column=loaded.text_column,
+        separator_token_id=_separator_id(tokenizer),
+        encoder_wrapped=bool(wrap),
+        fingerprint=_fingerprint(batches),
+    )
+    if cap is not None:
+        info["requested_samples"] = cap
+    return Batches(batches, info)
+
+
+def _label_ids(labels: list, names: list[str] | None, col: str, where: str) -> tuple[list[int], list[str] | None]:
+    """Class ids for raw labels; strings map to ids in sorted order (names recorded)."""
+    if any(v is None for v in labels):
+        n = sum(v is None for v in labels)
+        raise UsageError(f"label column '{col}' of {where} has {n} empty value(s); fill or drop them")
+    if all(isinstance(v, (bool, int)) for v in labels) or all(
+        isinstance(v, (bool, int, float)) and float(v).is_integer() for v in labels
+    ):
+        ids = [int(v) for v in labels]
+        if min(ids) < 0:
+            raise UsageError(
+                f"label column '{col}' of {where} has negative labels (an unlabelled split?); use a labelled split"
+            )
+        return ids, names
+    if any(isinstance(v, float) for v in labels) and all(isinstance(v, (int, float)) for v in labels):
+        raise UsageError(
+            f"label column '{col}' of {where} holds non-integer numbers; classification needs class labels"
+        )
+    as_str = [v if isinstance(v, str) else json.dumps(v, sort_keys=True) for v in labels]
+    names = sorted(set(as_str))
+    index = {n: i for i, n in enumerate(names)}
+    return [index[v] for v in as_str], names
+
+
+def _classification_batches(spec: DataSpec, tokenizer: Any) -> Batches:
+    if spec.label_column is None:
+        raise UsageError("classification needs a label column; pass --label-column")
+    loaded = load_source(spec, want_labels=True)
+    where = spec.source if spec.source != "-" else "stdin"
+    assert loaded.labels is not None and loaded.label_column is not None
+    if not loaded.texts:
+        raise UsageError(f"no examples found in {where}")
+    label_ids, names = _label_ids(loaded.labels, loaded.label_names, loaded.label_column, where)
+    cap = _sample_cap(spec)
+    n = len(loaded.texts)
+    chosen, selection = _select(n, max(n, 1), spec, cap, "examples")
+    idx = chosen.tolist()
+    enc = _tokenize(
+        tokenizer, [loaded.texts[i] for i in idx], add_special_tokens=True, truncation=True, max_length=spec.seq_len
+    )
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if not isinstance(pad, int):
+        pad = _separator_id(tokenizer) or 0
+    left = getattr(tokenizer, "padding_side", "right") == "left"
+    ids = torch.full((len(idx), spec.seq_len), pad, dtype=torch.long)
+    att = torch.zeros((len(idx), spec.seq_len), dtype=torch.long)
+    for r, seq in enumerate(enc):
+        seq = seq[: spec.seq_len] or [pad]  # an empty text still needs one position to attend to
+        sl = slice(spec.seq_len - len(seq), spec.seq_len) if left else slice(0, len(seq))
+        ids[r, sl] = torch.tensor(seq, dtype=torch.long)
+        att[r, sl] = 1
+    labels = torch.tensor([label_ids[i] for i in idx], dtype=torch.long)
+    batches = _split_batches({"input_ids": ids, "attention_mask": att, "labels": labels}, spec.batch_size)
+    info = _base_info(spec, "classification", loaded.split)
+    num_labels = len(names) if names else max(label_ids) + 1
+    info.update(
+        samples=len(idx),
+        tokens=int(att.sum()),
+        batch_size=spec.batch_size,
+        num_batches=len(batches),
+        skip_samples=spec.skip_samples,
+        selection=selection,
+        available_samples=n,
+        text_column=loaded.text_column,
+        label_column=loaded.label_column,
+        num_labels=num_labels,
+        fingerprint=_fingerprint(batches),
+    )
+    if names is not None:
+        info["label_names"] = names
+    if cap is not None:
+        info["requested_samples"] = cap
+    return Batches(batches, info)
+
+
+def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm") -> Batches:
+    """Token batches for one task; the same spec and tokenizer always give identical tensors.
+
+    task: 'lm' (packed blocks, labels = input_ids), 'mlm' (packed, encoder-wrapped,
+    seeded 15% masking, labels -100 except masked positions), 'classification'
+    (one padded example per row, labels = class ids [B]) or 'plain' (packed, no labels).
+    """
+    _validate(spec, task, tokenizer)
+    if task == "classification":
+        return _classification_batches(spec, tokenizer)
+    if task == "mlm" and not isinstance(getattr(tokenizer, "mask_token_id", None), int):
+        raise UsageError("masked-LM data needs a tokenizer with a mask token; this tokenizer has none")
+    return _lm_batches(spec, tokenizer, task)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

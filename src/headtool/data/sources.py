@@ -1,0 +1,523 @@
+"""Data sources -> texts (and labels).
+
+Every command that needs data (score, eval, inspect, heal, prune with compensation)
+reads it through :func:`load_source` and cuts it with ``batches.make_batches``, so that
+one ``--data`` reference means the same tokens everywhere and the same options always
+give byte-identical batches (scores are reproducible only if their data is).
+
+Sources (``DataSpec.source``): a local ``.txt``, ``.jsonl``, ``.json``, ``.csv``,
+``.tsv`` or ``.parquet`` file, a folder written by ``datasets.save_to_disk``, ``-``
+(text on stdin), ``builtin:pydoc`` (the help texts that ship inside every Python:
+the default calibration corpus, nothing to download) or a hub dataset
+``name[:config]``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import UsageError
+
+__all__ = [
+    "DataSpec",
+    "load_source",
+    "load_texts",
+    "SUPPORTED_SUFFIXES",
+    "BUILTIN_SOURCES",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")
+BUILTIN_SOURCES = ("builtin:pydoc",)
+
+#: Column names taken as the text column without asking (first match wins).
+TEXT_COLUMN_NAMES = (
+    "text",
+    "content",
+    "sentence",
+    "document",
+    "review",
+    "passage",
+    "body",
+    "article",
+    "sentence1",
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+_FILE_LIKE_SUFFIX = re.compile(r"^\.[A-Za-z][A-Za-z0-9]{0,5}$")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What data to use and how to cut it; recorded in every JSON output via ``Batches.info``."""
+
+    source: str = "builtin:pydoc"
+    split: str | None = None
+    text_column: str | None = None
+    label_column: str | None = None
+    seq_len: int = 128
+    batch_size: int = 4
+    max_samples: int | None = None
+    num_tokens: int | None = None
+    seed: int = 0
+    skip_samples: int = 0
+
+
+# --------------------------------------------------------------------------- tables
+
+
+@dataclass
+class _Table:
+    """Column access over any source, so column detection is written once."""
+
+    columns: list[str]
+    get: Callable[[str], list]
+    string_columns: list[str]
+    class_names: dict[str, list[str]] = field(default_factory=dict)
+    split: str | None = None
+
+
+@dataclass
+class _Loaded:
+    texts: list[str]
+    labels: list | None
+    label_names: list[str] | None
+    split: str | None
+    text_column: str | None
+    label_column: str | None
+
+
+def _texts_table(texts: list[str]) -> _Table:
+    return _Table(columns=["text"], get=lambda c: texts, string_columns=["text"])
+
+
+def _records_table(rows: list, where: str, split: str | None = None) -> _Table:
+    """Rows from JSON/JSONL: dicts (columns = keys) or bare strings (one 'text' column)."""
+    if not rows:
+        raise UsageError(f"no records in {where}")
+    if all(isinstance(r, str) for r in rows):
+        return _Table(["text"], lambda c: rows, ["text"], split=split)
+    if not all(isinstance(r, dict) for r in rows):
+        bad = next(r for r in rows if not isinstance(r, (dict, str)))
+        raise UsageError(
+            f"{where} must hold objects (one per example) or strings, found {type(bad).__name__}"
+        )
+    columns: list[str] = []
+    seen: set[str] = set()
+    for r in rows:
+        if isinstance(r, dict):
+            for k in r:
+                if k not in seen:
+                    seen.add(k)
+                    columns.append(k)
+
+    def get(col: str) -> list:
+        return [r.get(col) if isinstance(r, dict) else None for r in rows]
+
+    strings = []
+    for c in columns:
+        values = [v for v in (r.get(c) for r in rows[:200] if isinstance(r, dict)) if v is not None]
+        if values and all(isinstance(v, str) for v in values):
+            strings.append(c)
+    return _Table(columns, get, strings, split=split)
+
+
+def _arrow_table(table: Any, split: str | None = None) -> _Table:
+    import pyarrow as pa
+
+    def is_str(t: Any) -> bool:
+        return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+            hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t)
+        )
+
+    cols = list(table.column_names)
+    strings = [c for c in cols if is_str(table.schema.field(c).type)]
+    return _Table(cols, lambda c: table.column(c).to_pylist(), strings, split=split)
+
+
+def _dataset_table(ds: Any, split: str | None) -> _Table:
+    from datasets import ClassLabel, Value
+
+    cols = list(ds.column_names)
+    strings, names = [], {}
+    for c in cols:
+        f = ds.features[c]
+        if isinstance(f, Value) and f.dtype in ("string", "large_string", "string_view"):
+            strings.append(c)
+        elif isinstance(f, ClassLabel):
+            names[c] = list(f.names)
+    return _Table(cols, lambda c: list(ds[c]), strings, names, split=split)
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _read_text_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path} as UTF-8 text; convert it to UTF-8") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _read_stdin() -> str:
+    stdin = sys.stdin
+    if stdin is None:
+        raise UsageError("--data - reads text from stdin, but there is no stdin")
+    try:
+        if stdin.isatty():
+            raise UsageError("--data - reads text from stdin, but stdin is a terminal; pipe text in")
+    except (AttributeError, ValueError):
+        pass
+    try:
+        return stdin.read()
+    except UnicodeDecodeError:
+        raise UsageError("cannot read stdin as UTF-8 text; convert it to UTF-8") from None
+
+
+def _read_jsonl(text: str, where: str) -> list:
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where} line {n} is not valid JSON: {e.msg}") from None
+    return rows
+
+
+def _read_json(path: Path, split: str | None) -> _Table:
+    text = _read_text_file(path)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        # A .json file is often JSON lines in disguise (what datasets' json loader accepts too).
+        if text.lstrip().startswith("{") and "\n" in text.strip():
+            try:
+                return _records_table(_read_jsonl(text, str(path)), str(path))
+            except UsageError:
+                pass
+        raise UsageError(f"{path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if isinstance(obj, list):
+        return _records_table(obj, str(path))
+    if isinstance(obj, str):
+        return _texts_table([obj])
+    if not isinstance(obj, dict):
+        raise UsageError(f"{path} must hold a list of objects or an object with a list")
+    lists = {k: v for k, v in obj.items() if isinstance(v, list)}
+    # Lists of objects are row lists (e.g. one per split); a single list of strings is too.
+    # Several lists of scalars are columns ({"text": [...], "label": [...]}), handled below.
+    row_lists = {k: v for k, v in lists.items() if v and all(isinstance(r, dict) for r in v)}
+    if not row_lists and len(lists) == 1:
+        row_lists = {k: v for k, v in lists.items() if v and all(isinstance(r, str) for r in v)}
+    if split is not None and not row_lists and split in lists:
+        row_lists = {split: lists[split]}
+    if split is not None:
+        if split not in row_lists:
+            avail = ", ".join(row_lists) or "none"
+            raise UsageError(f"split '{split}' not found in {path}; lists there: {avail}")
+        return _records_table(row_lists[split], f"{path} [{split}]", split=split)
+    if len(row_lists) == 1:
+        key = next(iter(row_lists))
+        return _records_table(row_lists[key], f"{path} [{key}]")
+    if len(row_lists) > 1:
+        for key in ("train", "data", "rows", "examples", "records"):
+            if key in row_lists:
+                return _records_table(row_lists[key], f"{path} [{key}]", split=key)
+        raise UsageError(
+            f"{path} holds several lists ({', '.join(row_lists)}); pass --split to choose one"
+        )
+    # Column-oriented: {"text": [...], "label": [...]} with lists of equal length.
+    if lists and len({len(v) for v in lists.values()}) == 1 and next(iter(lists.values())):
+        n = len(next(iter(lists.values())))
+        rows = [{k: v[i] for k, v in lists.items()} for i in range(n)]
+        return _records_table(rows, str(path))
+    if lists:
+        raise UsageError(f"{path}: the lists in this object have different lengths")
+    return _records_table([obj], str(path))
+
+
+def _read_csv(path: Path, delimiter: str) -> _Table:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path} as UTF-8 text; convert it to UTF-8") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    if not raw.strip():
+        raise UsageError(f"no records in {path}")
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(raw),
+            parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise UsageError(f"cannot parse {path} as CSV: {_one_line(e)}") from None
+    return _arrow_table(table)
+
+
+def _read_parquet(path: Path) -> _Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise UsageError(f"cannot read {path} as parquet: {_one_line(e)}") from None
+    return _arrow_table(table)
+
+
+def _choose_split(splits: Sequence[str], split: str | None, where: str) -> str:
+    """The requested split, else 'train', else the only one: the same rule for hub and disk."""
+    splits = list(splits)
+    if split is not None:
+        if split not in splits:
+            raise UsageError(f"split '{split}' not found in {where}; available splits: {', '.join(splits)}")
+        return split
+    if "train" in splits:
+        return "train"
+    if len(splits) == 1:
+        return splits[0]
+    raise UsageError(f"{where} has several splits ({', '.join(splits)}); pass --split to choose one")
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> _Table:
+    if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        raise UsageError(
+            f"folder {path} is not a datasets.save_to_disk folder (no dataset_dict.json or state.json)"
+        )
+    try:
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # corrupt folders raise anything from FileNotFoundError to ArrowInvalid
+        raise UsageError(f"cannot load dataset folder {path}: {_one_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        chosen = _choose_split(list(ds.keys()), split, str(path))
+        return _dataset_table(ds[chosen], chosen)
+    return _dataset_table(ds, None)
+
+
+def _env_offline() -> bool:
+    return any(
+        os.environ.get(k, "").strip().lower() in _TRUE
+        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+class _ForcedOffline:
+    """Make datasets/huggingface_hub honour offline env vars set after they were imported.
+
+    Both libraries read the variables at import time; a variable set later (a test's
+    monkeypatch, a long-lived process) would otherwise be ignored and a lookup could
+    go to the network. Cached datasets still load.
+    """
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "_ForcedOffline":
+        if not self.active:
+            return self
+        import datasets.config as dconf
+        import huggingface_hub.constants as hconst
+
+        for mod, name in ((dconf, "HF_HUB_OFFLINE"), (dconf, "HF_DATASETS_OFFLINE"), (hconst, "HF_HUB_OFFLINE")):
+            if hasattr(mod, name):
+                self.saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mod, name, value in reversed(self.saved):
+            setattr(mod, name, value)
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    names = " ".join(type(x).__name__ for x in type(e).__mro__)
+    text = str(e).lower()
+    return (
+        isinstance(e, (ConnectionError, TimeoutError))
+        or "Connection" in names
+        or "Timeout" in names
+        or "Offline" in names
+        or "offline" in text
+        or "couldn't reach" in text
+    )
+
+
+def _read_hub(source: str, split: str | None) -> _Table:
+    name, _, config = source.partition(":")
+    chosen = split or "train"
+    offline = _env_offline()
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - datasets is a dependency
+        raise UsageError(f"loading hub datasets needs the 'datasets' package: {e}") from None
+    try:
+        with _ForcedOffline(offline):
+            ds = datasets.load_dataset(name, config or None, split=chosen)
+    except Exception as e:  # load_dataset raises many unrelated types for one cause
+        if offline or _is_connection_error(e):
+            raise UsageError(
+                f"could not load dataset '{source}' from the hub (offline?): {_one_line(e)}; "
+                "use a local file or a datasets.save_to_disk folder"
+            ) from None
+        raise UsageError(f"could not load dataset '{source}' from the hub: {_one_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):  # pragma: no cover - split is always given
+        chosen = _choose_split(list(ds.keys()), split, source)
+        ds = ds[chosen]
+    return _dataset_table(ds, chosen)
+
+
+def _pydoc_texts() -> list[str]:
+    """The pydoc topic help texts, in sorted key order (stable for a given Python)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - stripped Python builds
+        raise UsageError("builtin:pydoc needs pydoc_data, which this Python lacks; use another --data") from None
+    return [topics[k] for k in sorted(topics)]
+
+
+def _looks_like_path(source: str) -> bool:
+    """Heuristic: a reference that can only be meant as a local file (vs. a hub id)."""
+    if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
+        return True
+    name = source.split(":", 1)[0]  # 'wikimedia/wikipedia:20231101.en' is a hub id
+    suffix = Path(name).suffix
+    return suffix.lower() in SUPPORTED_SUFFIXES or bool(_FILE_LIKE_SUFFIX.match(suffix))
+
+
+def _open_table(spec: DataSpec) -> _Table:
+    """Dispatch on the kind of source."""
+    source = spec.source
+    if not isinstance(source, str) or not source.strip():
+        raise UsageError("no data given; pass --data (a file, a folder, '-', builtin:pydoc or a hub name)")
+    if source == "-":
+        return _texts_table([_read_stdin()])
+    if source.startswith("builtin:"):
+        if source == "builtin:pydoc":
+            return _texts_table(_pydoc_texts())
+        raise UsageError(f"unknown builtin data '{source}'; available: {', '.join(BUILTIN_SOURCES)}")
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return _read_saved_dataset(path, spec.split)
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            return _texts_table([_read_text_file(path)])
+        if suffix == ".jsonl":
+            return _records_table(_read_jsonl(_read_text_file(path), str(path)), str(path))
+        if suffix == ".json":
+            return _read_json(path, spec.split)
+        if suffix == ".csv":
+            return _read_csv(path, ",")
+        if suffix == ".tsv":
+            return _read_csv(path, "\t")
+        if suffix == ".parquet":
+            return _read_parquet(path)
+        raise UsageError(
+            f"unsupported data file type '{path.suffix or '(none)'}' for {path}; supported: "
+            f"{', '.join(SUPPORTED_SUFFIXES)}, a datasets.save_to_disk folder, '-' (stdin), "
+            "builtin:pydoc, or a hub dataset name[:config]"
+        )
+    if _looks_like_path(source):
+        raise UsageError(f"data file not found: {source}")
+    if _HUB_ID.match(source.split(":", 1)[0]) and source.count(":") <= 1:
+        return _read_hub(source, spec.split)
+    raise UsageError(f"data file not found: {source} (and it is not a hub dataset name[:config])")
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def _choose_text_column(table: _Table, wanted: str | None, label: str | None, where: str) -> str:
+    if wanted is not None:
+        if wanted not in table.columns:
+            raise UsageError(
+                f"column '{wanted}' not found in {where}; available columns: {', '.join(table.columns)}"
+            )
+        return wanted
+    candidates = [c for c in table.string_columns if c != label]
+    lower = {c.lower(): c for c in candidates}
+    for name in TEXT_COLUMN_NAMES:
+        if name in lower:
+            return lower[name]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise UsageError(
+        f"cannot tell which column of {where} holds the text (columns: {', '.join(table.columns) or 'none'}); "
+        "pass --text-column"
+    )
+
+
+def load_source(spec: DataSpec, want_labels: bool) -> _Loaded:
+    table = _open_table(spec)
+    where = spec.source if spec.source != "-" else "stdin"
+    label_col = spec.label_column if want_labels else None
+    if label_col is not None and label_col not in table.columns:
+        raise UsageError(
+            f"label column '{label_col}' not found in {where}; available columns: {', '.join(table.columns)}"
+        )
+    text_col = _choose_text_column(table, spec.text_column, label_col, where)
+    raw = table.get(text_col)
+    texts: list[str] = []
+    for v in raw:
+        if v is None:
+            texts.append("")
+        elif isinstance(v, str):
+            texts.append(v)
+        else:
+            raise UsageError(
+                f"column '{text_col}' of {where} does not hold text (found {type(v).__name__}); "
+                f"pass --text-column (string columns: {', '.join(table.string_columns) or 'none'})"
+            )
+    labels = table.get(label_col) if label_col is not None else None
+    return _Loaded(
+        texts=texts,
+        labels=labels,
+        label_names=table.class_names.get(label_col) if label_col else None,
+        split=table.split,
+        text_column=None if _is_plain(spec) else text_col,
+        label_column=label_col,
+    )
+
+
+def _is_plain(spec: DataSpec) -> bool:
+    """Sources without columns (txt, stdin, builtin): no text column to record."""
+    s = spec.source
+    return s == "-" or s.startswith("builtin:") or s.lower().endswith(".txt")
+
+
+def load_texts(spec: DataSpec) -> tuple[list[str], list | None]:
+    """Texts (and labels if ``spec.label_column``) from any source.
+
+    A ``.txt`` file and stdin give one text each; ``builtin:pydoc`` one per help topic;
+    tables one per row (missing text -> ""). Labels are returned raw (not mapped to ids).
+    """
+    loaded = load_source(spec, want_labels=spec.label_column is not None)
+    return loaded.texts, loaded.labels
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,240 @@
+"""Write output folders of prune / convert-gqa: whole or not at all, never over the input.
+
+A folder is written into a temporary folder beside the target and renamed at the end, so an
+interrupted run leaves nothing half-written. It holds safetensors weights (sharded above the
+shard size, with an index), the config (the family's own when it can express the new heads,
+else the per-layer table plus a self-contained modeling file named in `auto_map`), the input's
+tokenizer files and generation config, `headtool.json` (what was done and why) and a README
+model card.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..arch import LAYOUT_KEY, RESIZE_SPEC_KEY
+from ..errors import HeadtoolError, UsageError
+from ..version import __version__
+
+FORMAT = "headtool.surgery/1"
+MODELING_FILE = "modeling_headtool.py"
+STANDARD = "standard"
+REMOTE_CODE = "headtool-remote-code"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "spiece.model",
+                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+# auto classes whose mapping may name the saved model's class (most specific first)
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+                 "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForPreTraining",
+                 "AutoModel")
+
+
+def _local_dir(path: str | os.PathLike | None) -> Path | None:
+    if not path:
+        return None
+    p = Path(os.path.expanduser(str(path)))
+    return p.resolve() if p.is_dir() else None
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def check_output_target(out: str | os.PathLike, source_path: str | os.PathLike | None, overwrite: bool) -> Path:
+    """The resolved output folder, or a UsageError naming what is wrong (call before any work)."""
+    target = Path(os.path.expanduser(str(out))).resolve()
+    src = _local_dir(source_path)
+    if src is not None and _inside(target, src):
+        raise UsageError(f"-o {out}: the output lies inside the input model folder {src}; "
+                         "choose a folder outside it (the input is never modified)")
+    if target.exists() or target.is_symlink():
+        if not target.is_dir():
+            raise UsageError(f"-o {out}: exists and is not a folder")
+        if not overwrite:
+            raise UsageError(f"-o {out}: the folder already exists; pass --overwrite to replace it")
+        if src is not None and _inside(src, target):
+            raise UsageError(f"-o {out}: replacing it would delete the input model folder {src}")
+        if any(target.iterdir()) and not ((target / "config.json").exists() or (target / "headtool.json").exists()):
+            raise UsageError(f"-o {out}: --overwrite replaces model folders only, and this non-empty folder "
+                             "holds no model (no config.json); choose another folder")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"-o {out}: {parent} is not a folder")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"-o {out}: cannot write into {parent} (permission denied)")
+            break
+    return target
+
+
+def _transformers_class(model) -> type:
+    """The transformers class a (possibly headtool-subclassed) model is built from."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.models."):
+            return cls
+    return type(model)
+
+
+def _auto_map(model) -> dict[str, str]:
+    """auto_map entries of the modeling file: the model's own class and its base model."""
+    import transformers
+
+    cls = _transformers_class(model)
+    config_type = type(model.config)
+    out: dict[str, str] = {}
+    for auto_name in _AUTO_CLASSES:
+        mapping = getattr(transformers, auto_name)._model_mapping
+        target = mapping[config_type] if config_type in mapping else None
+        if target is None:
+            continue
+        if target is cls or (auto_name == "AutoModel" and target is type(model.base_model)):
+            out[auto_name] = target.__name__
+    if not out:
+        raise HeadtoolError(f"no auto class loads {cls.__name__}; cannot write a remote-code folder")
+    return out
+
+
+def _copy_inputs(source, tokenizer, folder: Path) -> list[str]:
+    """Tokenizer files and generation config of the input, copied as they are."""
+    src = _local_dir(getattr(source, "path", None))
+    copied = []
+    if src is not None:
+        for name in TOKENIZER_FILES + ("generation_config.json",):
+            if (src / name).is_file():
+                shutil.copy2(src / name, folder / name)
+                copied.append(name)
+    if tokenizer is not None and not any(n in copied for n in TOKENIZER_FILES):
+        tokenizer.save_pretrained(folder)
+    return copied
+
+
+def _fix_config(folder: Path, model, kind: str) -> None:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cls = _transformers_class(model)
+    cfg["architectures"] = [cls.__name__]
+    cfg.pop("auto_map", None)
+    if kind == STANDARD:
+        cfg.pop(LAYOUT_KEY, None)
+        cfg.pop(RESIZE_SPEC_KEY, None)
+        (folder / MODELING_FILE).unlink(missing_ok=True)
+    else:
+        from ..templates import modeling_file_source
+
+        names = _auto_map(model)
+        exported = {auto: f"Headtool{base}" for auto, base in names.items()}
+        (folder / MODELING_FILE).write_text(modeling_file_source(
+            {exported[a]: names[a] for a in names}))
+        cfg["auto_map"] = {auto: f"{MODELING_FILE[:-3]}.{exp}" for auto, exp in exported.items()}
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
+    op = meta.get("operation", "surgery")
+    src = meta.get("source", {})
+    load = (f"from transformers import {auto_name}\n"
+            f"model = {auto_name}.from_pretrained(\"path/to/this/folder\""
+            + (", trust_remote_code=True)" if kind == REMOTE_CODE else ")"))
+    why = ("The heads per layer are expressed by the family's standard config: this folder loads in "
+           "every runtime that reads this family." if kind == STANDARD else
+           f"The heads per layer differ from what the family's standard config can express, so the "
+           f"config carries a per-layer table (`{LAYOUT_KEY}`) and `{MODELING_FILE}` builds the model "
+           "(it needs only torch and transformers): load with `trust_remote_code=True`.")
+    lines = [
+        "---", "library_name: transformers", "tags:", "- headtool", f"- {op}", "---", "",
+        f"# {op} of {src.get('path', 'a model')}", "",
+        f"Written by headtool {__version__} (`{op}`). Config kind: **{kind}**. {why}", "",
+        "```python", load, "```", "",
+    ]
+    if card_table:
+        lines += ["## Summary", "", card_table.strip(), ""]
+    lines += ["`headtool.json` records the source fingerprint, the method and options, and the query heads "
+              "kept in every layer (original indices).", ""]
+    return "\n".join(lines)
+
+
+def output_kind(model) -> str:
+    """'standard' when the family's own config expresses the heads, else headtool's remote code."""
+    return REMOTE_CODE if getattr(model.config, LAYOUT_KEY, None) else STANDARD
+
+
+@contextmanager
+def temp_folder(target: Path):
+    """A hidden temporary folder beside `target`, removed again if anything fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tmp.exists():  # not moved into place
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finish_folder(tmp: Path, target: Path, *, model, source, tokenizer, meta: dict, card_table: str,
+                  kind: str) -> dict[str, Any]:
+    """Config fix-up, tokenizer, headtool.json and card into `tmp` (weights and config.json
+    already there), then the atomic move to `target`."""
+    _fix_config(tmp, model, kind)
+    _copy_inputs(source, tokenizer, tmp)
+    doc = {"format": FORMAT, **meta,
+           "source": {"path": getattr(source, "path", None), "ref": getattr(source, "ref", None),
+                      "fingerprint": getattr(source, "fingerprint", None), **meta.get("source", {})},
+           "config_kind": kind, "headtool_version": __version__}
+    (tmp / "headtool.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+    (tmp / "README.md").write_text(model_card(doc, kind, card_table, _auto_name(model)))
+    files = sorted(p.name for p in tmp.iterdir())
+    _replace(tmp, target)
+    return {"path": str(target), "config_kind": kind, "files": files}
+
+
+def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict, card_table: str = "",
+                 overwrite: bool = False, shard_size: str | int = "5GB") -> dict[str, Any]:
+    """Write `model` (already resized in memory) as a folder at `out`, atomically.
+
+    `source` is the LoadedModel of the input (its path and fingerprint go into headtool.json;
+    its tokenizer files and generation config are copied). Returns {"path", "config_kind", "files"}.
+    """
+    from .sizes import parse_size
+
+    target = check_output_target(out, getattr(source, "path", None), overwrite)
+    shard_bytes = parse_size(shard_size)
+    if shard_bytes < 1:
+        raise UsageError(f"--shard-size must be positive (got {shard_size!r})")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; no tqdm bars
+    with temp_folder(target) as tmp:
+        model.save_pretrained(tmp, max_shard_size=shard_bytes)
+        return finish_folder(tmp, target, model=model, source=source, tokenizer=tokenizer, meta=meta,
+                             card_table=card_table, kind=output_kind(model))
+
+
+def _auto_name(model) -> str:
+    """The auto class that loads this model's class (for the card's example)."""
+    try:
+        return next(iter(_auto_map(model)))
+    except HeadtoolError:
+        return "AutoModel"
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Move the finished folder into place; an old folder (with --overwrite) goes only then."""
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, trash / "old")
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            os.replace(trash / "old", target)
+            raise
+        finally:
+            shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, target)

@@ -1,0 +1,139 @@
+"""Loss, perplexity and accuracy of models over exactly the same batches."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+import torch
+
+from ..console import progress
+from ..data.batches import to_device
+from ..errors import HeadtoolError
+from .objectives import model_output, token_losses
+
+
+@torch.no_grad()
+def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "eval") -> dict[str, Any]:
+    """Mean loss over weighted positions (and perplexity / accuracy) on `batches`."""
+    device = next(model.parameters()).device
+    total, weight, correct, count = 0.0, 0.0, 0, 0
+    t0 = time.perf_counter()
+    with progress() as bar:
+        task = bar.add_task(label, total=len(batches), rate="")
+        tokens = 0
+        for i, batch in enumerate(batches):
+            b = to_device(batch, device)
+            logits = model_output(model, b)
+            losses, w = token_losses(objective, logits, b)
+            s = float((losses * w).sum())
+            if not math.isfinite(s):
+                raise HeadtoolError(f"{label}: the loss is not finite on batch {i}; try --dtype float32")
+            total += s
+            weight += float(w.sum())
+            if objective == "classification":
+                correct += int((logits.argmax(-1).view(-1) == b["labels"].view(-1)).sum())
+                count += b["labels"].numel()
+            tokens += int(b["input_ids"].numel())
+            rate = tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
+    loss = total / max(weight, 1.0)
+    out: dict[str, Any] = {"loss": loss, "tokens": int(weight) if objective != "classification" else tokens,
+                           "elapsed_s": round(time.perf_counter() - t0, 3)}
+    if objective in ("lm", "mlm"):
+        out["perplexity"] = math.exp(min(loss, 700.0))
+    if objective == "classification":
+        out["accuracy"] = correct / max(count, 1)
+        out["examples"] = count
+    return out
+
+
+@torch.no_grad()
+def hidden_states(model, batches: Sequence[dict]) -> list[torch.Tensor]:
+    """Final hidden states of a headless model on every batch (the reference for comparisons)."""
+    device = next(model.parameters()).device
+    return [model_output(model, to_device(b, device)).float().cpu() for b in batches]
+
+
+@torch.no_grad()
+def hidden_agreement(model, batches: Sequence[dict], reference: Sequence[torch.Tensor], *,
+                     label: str = "eval") -> dict[str, Any]:
+    """Agreement of a headless model's outputs with a reference model's on the same batches.
+
+    loss: squared error normalised by the reference's mean squared norm (0 = identical);
+    cosine: mean per-token cosine similarity; embedding_cosine: of mean-pooled sentence
+    embeddings, the quantity sentence-embedding users care about.
+    """
+    device = next(model.parameters()).device
+    se, norm, cos, ecos, n_tok, n_ex = 0.0, 0.0, 0.0, 0.0, 0, 0
+    t0 = time.perf_counter()
+    with progress() as bar:
+        task = bar.add_task(label, total=len(batches), rate="")
+        for b, ref in zip(batches, reference):
+            b = to_device(b, device)
+            out = model_output(model, b).float().cpu()
+            mask = b["attention_mask"].float().cpu()[..., None]
+            se += float(((out - ref) ** 2 * mask).sum())
+            norm += float((ref ** 2 * mask).sum())
+            cos += float((torch.nn.functional.cosine_similarity(out, ref, dim=-1) * mask[..., 0]).sum())
+            pooled = lambda h: (h * mask).sum(1) / mask.sum(1).clamp_min(1)  # noqa: E731
+            ecos += float(torch.nn.functional.cosine_similarity(pooled(out), pooled(ref), dim=-1).sum())
+            n_tok += int(mask.sum())
+            n_ex += out.shape[0]
+            bar.update(task, advance=1)
+    return {"loss": se / max(norm, 1e-30), "cosine": cos / max(n_tok, 1),
+            "embedding_cosine": ecos / max(n_ex, 1), "tokens": n_tok,
+            "elapsed_s": round(time.perf_counter() - t0, 3)}
+
+
+def tokenizers_agree(a, b) -> bool:
+    """Same ids for a probe text: batches made with `a` mean the same to a model that uses `b`."""
+    if a is None or b is None:
+        return True
+    probe = "The quick brown fox jumps over the lazy dog. 1234 naïve café\n\tdef f(x): return x"
+    return a(probe)["input_ids"] == b(probe)["input_ids"]
+
+
+def compare_models(refs: Sequence[str], spec, objective: str, load_kwargs: dict) -> dict[str, Any]:
+    """Evaluate every model on the batches built once with the first model's tokenizer.
+
+    Models are loaded one at a time so that only one is in memory.
+    """
+    from ..data.batches import make_batches
+    from ..errors import UsageError
+    from ..model.info import model_info
+    from ..model.loading import load_model
+    from .objectives import DATA_TASK, resolve_objective
+
+    if not refs:
+        raise UsageError("eval needs at least one MODEL")
+    results: list[dict[str, Any]] = []
+    batches = None
+    first_tok = None
+    reference: list[torch.Tensor] | None = None
+    resolved = objective
+    for ref in refs:
+        lm = load_model(ref, **load_kwargs)
+        if batches is None:
+            resolved = resolve_objective(objective, lm.task, spec.label_column)
+            if lm.tokenizer is None:
+                raise UsageError(f"{ref}: no tokenizer files beside the model")
+            first_tok = lm.tokenizer
+            batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved])
+        elif not tokenizers_agree(first_tok, lm.tokenizer):
+            raise UsageError(f"{ref} uses another tokenizer than {refs[0]}; eval compares models on the "
+                             "same token batches, so they must share a tokenizer")
+        else:
+            resolve_objective(resolved, lm.task, spec.label_column)
+        if resolved == "kl":  # headless: how far each model's hidden states are from the first's
+            if reference is None:
+                reference = hidden_states(lm.model, batches.batches)
+            res = hidden_agreement(lm.model, batches.batches, reference, label=f"eval {ref}")
+        else:
+            res = evaluate(lm.model, batches.batches, resolved, label=f"eval {ref}")
+        figures = model_info(lm.model, lm.adapter)
+        results.append({"model": ref, "path": lm.path, **res, "params": figures["params"],
+                        "total_heads": figures["total_heads"], "total_kv_heads": figures["total_kv_heads"],
+                        "kv_cache_bytes_per_token": figures["kv_cache_bytes_per_token"]})
+        del lm
+    return {"objective": resolved, "data": batches.info, "results": results}

@@ -1,0 +1,85 @@
+"""Reading a model's config: refusing unrequested remote code, offline hub ids, and headtool's
+own per-layer head tables (built without running the folder's modeling file)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+from ..arch import LAYOUT_KEY, RESIZE_SPEC_KEY, adapter_for
+from ..errors import UsageError
+from .refs import _offline
+
+
+def load_config(path: str, source: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    if source == "hub" and _offline():
+        raise UsageError(f"model {path!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
+                         f"download it first or give a local path")
+    local = Path(path) / "config.json"
+    if local.exists():
+        try:
+            raw = json.loads(local.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"{local}: config.json is not valid JSON ({e})") from e
+        if raw.get("auto_map") and LAYOUT_KEY not in raw and not trust_remote_code:
+            files = sorted({str(v).split(".")[0] + ".py" for v in raw["auto_map"].values() if isinstance(v, str)})
+            raise UsageError(f"{path}: config.json names its own code ({', '.join(files) or 'auto_map'}), "
+                             "which is not run by default; pass --trust-remote-code if you trust it")
+        if LAYOUT_KEY in raw and not trust_remote_code:
+            # headtool's own per-layer outputs: build them with headtool's resize, no remote code.
+            return config_from_headtool_folder(path, raw)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        if "trust_remote_code" in msg:
+            raise UsageError(f"{path} needs its own code to load; pass --trust-remote-code if you trust it") from e
+        raise UsageError(f"{path}: cannot read the config: {msg}") from e
+    except OSError as e:
+        if source == "hub":
+            raise UsageError(f"could not load {path!r} from the hub (offline or not found): "
+                             f"{str(e).splitlines()[0]}") from e
+        raise UsageError(f"{path}: cannot read the config: {str(e).splitlines()[0]}") from e
+
+
+def read_layout(raw: Mapping, where: str) -> dict:
+    """The per-layer table of a headtool config, checked (a hand-edited table is bad input)."""
+    layout = raw.get(LAYOUT_KEY)
+    try:
+        nq = [int(x) for x in layout["num_heads"]]
+        nkv = [int(x) for x in layout["num_kv_heads"]]
+        hd = int(layout["head_dim"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise UsageError(f"{where}: {LAYOUT_KEY} must hold num_heads, num_kv_heads (lists) and head_dim") from e
+    if len(nq) != len(nkv) or any(k < 1 or q < k or q % k for q, k in zip(nq, nkv)) or hd < 1:
+        raise UsageError(f"{where}: {LAYOUT_KEY} is inconsistent (query heads {nq}, KV heads {nkv})")
+    return {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd}
+
+
+def config_from_headtool_folder(path: str | Path, raw_config: Mapping):
+    """The config of a headtool output folder with a per-layer head table (no remote code run)."""
+    from transformers import CONFIG_MAPPING
+
+    where = str(Path(path) / "config.json")
+    raw = dict(raw_config)
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{where}: unknown model_type {model_type!r}")
+    layout = read_layout(raw, where)
+    raw[LAYOUT_KEY] = layout
+    if RESIZE_SPEC_KEY not in raw:
+        raise UsageError(f"{where}: {LAYOUT_KEY} without {RESIZE_SPEC_KEY}; not a headtool output")
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as e:  # noqa: BLE001 - config validators raise many types
+        raise UsageError(f"{where}: cannot read the config: {str(e).splitlines()[0]}") from e
+    adapter = adapter_for(config)
+    if len(layout["num_heads"]) != adapter.num_layers(config):
+        raise UsageError(f"{where}: {LAYOUT_KEY} lists {len(layout['num_heads'])} layers, "
+                         f"the model has {adapter.num_layers(config)}")
+    return config

@@ -1,0 +1,102 @@
+"""Where a model is loaded and where its layers run: shared by the CLI's Model options and by
+recipes' top-level keys. Kept free of torch so that `headtool --help` starts fast."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UsageError
+from .refs import cache_dir
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    dtype: str = "auto"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    device_map: str | None = None
+    max_memory: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code,
+                "device_map": self.device_map, "max_memory": self.max_memory}
+
+
+def sequential_placement(load: LoadOptions, sequential: bool) -> tuple[LoadOptions, Any]:
+    """(how to load, the device each layer visits during calibration or None) for --sequential."""
+    if not sequential:
+        return load, None
+    if load.device_map:
+        raise UsageError("--sequential places layers itself: leave out --device-map")
+    return replace(load, device="cpu"), resolve_device(load.device)
+
+
+def has_offloaded_weights(model) -> bool:
+    """True when --device-map left parameters off-memory (accelerate keeps them on 'meta' and
+    streams them in from CPU or disk for each forward)."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def require_resident_weights(model, what: str, instead: str) -> None:
+    """Surgery and training rewrite weights in place: offloaded ones are not there to rewrite."""
+    if has_offloaded_weights(model):
+        raise UsageError(f"{what} rewrites weights that --device-map offloaded to CPU or disk: {instead}")
+
+
+def offload_folder() -> str:
+    """A folder of this process's own for weights --device-map offloads to disk, removed at exit
+    (a shared one would let two runs overwrite each other's offloaded weights)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = cache_dir() / "offload"
+    root.mkdir(parents=True, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def resolve_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UsageError("--device mps: MPS is not available on this machine")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or mps") from e
+
+
+def parse_max_memory(spec: str) -> dict[int | str, str]:
+    """'0=70GiB,1=70GiB,cpu=200GiB' -> {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'} (accelerate's form)."""
+    from ..io.sizes import parse_size
+
+    caps: dict[int | str, str] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        dev, sep, size = part.partition("=")
+        dev, size = dev.strip().lower(), size.strip()
+        if not sep or not dev or not size:
+            raise UsageError(f"--max-memory: expected DEVICE=SIZE items like 0=70GiB,cpu=200GiB, got {part!r}")
+        if not (dev.isdigit() or dev in ("cpu", "mps", "disk")):
+            raise UsageError(f"--max-memory: unknown device {dev!r} (a GPU index, cpu, mps or disk)")
+        try:
+            parse_size(size)
+        except UsageError:
+            raise UsageError(f"--max-memory {part!r}: not a size (use e.g. 70GiB or 500MB)") from None
+        caps[int(dev) if dev.isdigit() else dev] = size
+    if not caps:
+        raise UsageError("--max-memory is empty")
+    return caps

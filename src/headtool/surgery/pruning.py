@@ -1,0 +1,187 @@
+"""Pruning as a library call: selection -> surgery -> (compensation) -> summary.
+
+Works on an in-memory model (recipes, notebooks) as well as for `headtool prune`:
+
+    sel = select_heads(scores, loaded.geometry, Target(fraction=0.25))
+    result = prune(loaded, sel, calib_batches=batches, compensate=True)
+
+The model is changed in place; `write_output` in checkpoint.py saves it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..arch import Adapter, LayerHeads
+from ..arch.heads import keep_for_query_heads, prune_layer_tensors
+from ..errors import UsageError
+from ..model.placement import require_resident_weights
+from ..model.resize import resize_attention
+from .compensation import o_columns, removal_cost, sequential_refit
+from .selection import Selection, choose_removal
+
+CHOICES = ("auto", "scores", "refit")
+REFIT_LAYERS = ("pruned", "all")
+
+
+@dataclass
+class PruneResult:
+    """What changed, with the figures for the summary and headtool.json."""
+
+    selection: Selection
+    geometry_before: list[LayerHeads]
+    geometry_after: list[LayerHeads]
+    info_before: dict
+    info_after: dict
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    compensation: list[dict] = field(default_factory=list)
+    choice: str = "scores"
+    elapsed_s: float = 0.0
+
+    def layers(self) -> list[dict[str, Any]]:
+        rows = []
+        for i, (g0, g1, kept) in enumerate(zip(self.geometry_before, self.geometry_after, self.selection.kept)):
+            rows.append({"layer": i, "heads_before": g0.num_heads, "heads_after": g1.num_heads,
+                         "kv_heads_before": g0.num_kv_heads, "kv_heads_after": g1.num_kv_heads,
+                         "kept_heads": list(kept),
+                         "removed_heads": sorted(set(range(g0.num_heads)) - set(kept))})
+        return rows
+
+    def totals(self) -> dict[str, Any]:
+        keys = ("params", "attention_params", "kv_cache_bytes_per_token", "total_heads", "total_kv_heads")
+        return {k: {"before": self.info_before[k], "after": self.info_after[k]} for k in keys}
+
+    def summary(self) -> dict[str, Any]:
+        out = {"layers": self.layers(), "totals": self.totals(),
+               "heads_removed": self.info_before["total_heads"] - self.info_after["total_heads"],
+               "in_layer_choice": self.choice, "elapsed_s": round(self.elapsed_s, 3)}
+        if self.eval_before is not None:
+            out["eval"] = {"before": self.eval_before, "after": self.eval_after}
+        if self.compensation:
+            out["compensation"] = self.compensation
+        return out
+
+
+def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int]) -> LayerHeads:
+    """Remove every query head of `layer` not in `kept` (and KV heads left without queries)."""
+    keep = keep_for_query_heads(geo, kept)
+    if keep.q == tuple(range(geo.num_heads)) and keep.kv == tuple(range(geo.num_kv_heads)):
+        return geo
+    prefix = adapter.layer_prefix(model, layer)
+    layer_sd = {k: v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    new_geo = keep.geometry(geo)
+    resize_attention(model, adapter, layer, new_geo, prune_layer_tensors(layer_sd, adapter, prefix, geo, keep))
+    return new_geo
+
+
+def apply_selection(model, adapter: Adapter, selection: Selection, geometry: Sequence[LayerHeads]) -> None:
+    """Physically remove the heads `selection` does not keep, every layer, in place."""
+    for i, (geo, kept) in enumerate(zip(geometry, selection.kept)):
+        prune_layer(model, adapter, i, geo, kept)
+
+
+def _evaluate(model, batches, objective):
+    from ..measure.evaluation import evaluate
+
+    return evaluate(model, batches, objective, label="eval") if batches else None
+
+
+PRUNE_INSTEAD = ("prune with --sequential (one layer at a time on --device) or, with --scores/--heads and no "
+                 "--compensate, with --streaming (score with --device-map first)")
+
+
+def prune(
+    loaded,
+    selection: Selection,
+    *,
+    unit: str = "query",
+    calib_batches: Sequence[dict] | None = None,
+    heldout_batches: Sequence[dict] | None = None,
+    compensate: bool = False,
+    choose_in_layer: str = "auto",
+    refit_layers: str = "pruned",
+    damping: float = 1e-2,
+    eval_batches: Sequence[dict] | None = None,
+    objective: str | None = None,
+    calib_device=None,
+) -> PruneResult:
+    """Prune `loaded.model` in place to `selection` and return the summary figures.
+
+    With `compensate`, layers are processed in order on `calib_batches`: each layer's heads
+    to remove are chosen (`choose_in_layer` 'refit': the set whose removal leaves the least
+    error after refitting, with the count per layer from `selection`; 'scores': exactly
+    `selection`), removed, and the output projection refit by ridge least squares to the
+    original attention output (sequential calibration, see compensation.py). With
+    `calib_device`, the model stays where it is and each layer visits that device in turn.
+    """
+    from ..model.info import model_info
+
+    if choose_in_layer not in CHOICES:
+        raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
+    if refit_layers not in REFIT_LAYERS:
+        raise UsageError(f"--refit-layers must be one of {', '.join(REFIT_LAYERS)} (got {refit_layers!r})")
+    if compensate and not calib_batches:
+        raise UsageError("--compensate needs calibration data (--data)")
+    if damping <= 0:
+        raise UsageError(f"--damping must be positive (got {damping})")
+    t0 = time.perf_counter()
+    model, adapter = loaded.model, loaded.adapter
+    require_resident_weights(model, "prune", PRUNE_INSTEAD)
+    geometry = list(adapter.geometry(model.config))
+    info_before = model_info(model, adapter)
+    eval_before = _evaluate(model, eval_batches, objective)
+    choice = ("refit" if compensate else "scores") if choose_in_layer == "auto" else choose_in_layer
+    if choice == "refit" and not compensate:
+        raise UsageError("--choose-in-layer refit needs --compensate (it ranks heads by the error left after the refit)")
+    report: list[dict] = []
+    if compensate:
+        kept_final: list[tuple[int, ...]] = list(selection.kept)
+
+        def on_layer(layer: int, stats, held) -> list[int]:
+            geo = geometry[layer]
+            kept = list(selection.kept[layer])
+            n_remove = geo.num_heads - len(kept)
+            if choice == "refit" and n_remove:
+                gone = choose_removal(geo, n_remove, unit, removal_cost(stats, damping, adapter, geo))
+                kept = [h for h in range(geo.num_heads) if h not in set(gone)]
+            kept_final[layer] = tuple(kept)
+            prune_layer(model, adapter, layer, geo, kept)
+            return o_columns(adapter, geo, kept)
+
+        layers = [i for i, g in enumerate(geometry) if refit_layers == "all" or len(selection.kept[i]) < g.num_heads]
+        report = sequential_refit(model, model, adapter, calib_batches, layers=layers, damping=damping,
+                                  heldout_batches=heldout_batches, on_layer=on_layer, device=calib_device)
+        done = set(layers)
+        for i, g in enumerate(geometry):  # layers that were not refit are still pruned
+            if i not in done:
+                prune_layer(model, adapter, i, g, selection.kept[i])
+        selection = Selection.from_kept(geometry, kept_final)
+    else:
+        apply_selection(model, adapter, selection, geometry)
+    info_after = model_info(model, adapter)
+    eval_after = _evaluate(model, eval_batches, objective)
+    return PruneResult(selection, geometry, list(adapter.geometry(model.config)), info_before, info_after,
+                       eval_before, eval_after, report, choice, time.perf_counter() - t0)
+
+
+def markdown_table(result: PruneResult, config_kind: str) -> str:
+    """The summary as markdown (the model card's table)."""
+    lines = ["| layer | query heads | KV heads | removed (original indices) |", "|---:|---:|---:|---|"]
+    for r in result.layers():
+        lines.append(f"| {r['layer']} | {r['heads_before']} → {r['heads_after']} | "
+                     f"{r['kv_heads_before']} → {r['kv_heads_after']} | "
+                     f"{', '.join(map(str, r['removed_heads'])) or '-'} |")
+    lines += ["", "| total | before | after |", "|---|---:|---:|"]
+    names = {"params": "parameters", "attention_params": "attention parameters",
+             "kv_cache_bytes_per_token": "KV-cache bytes per token", "total_heads": "query heads",
+             "total_kv_heads": "KV heads"}
+    for k, v in result.totals().items():
+        lines.append(f"| {names[k]} | {v['before']:,} | {v['after']:,} |")
+    if result.eval_before is not None:
+        metric = "perplexity" if "perplexity" in result.eval_before else "accuracy"
+        lines.append(f"| eval loss | {result.eval_before['loss']:.4f} | {result.eval_after['loss']:.4f} |")
+        lines.append(f"| eval {metric} | {result.eval_before[metric]:.4f} | {result.eval_after[metric]:.4f} |")
+    lines += ["", f"Config kind: {config_kind}."]
+    return "\n".join(lines)

@@ -1,0 +1,327 @@
+"""Scores + a target -> the heads to keep in every layer (pure functions, no model).
+
+A layer loses heads in *steps*: with `--unit query` on a GQA layer one step removes one
+query head from every KV group (the groups stay equal in size, so the layer keeps all its
+KV heads); with `--unit group` one step removes a whole KV group with its query heads; a
+layer whose groups hold one query head each (multi-head attention) loses single heads either
+way. Steps are ordered weakest first (mean score of the heads they remove), and the global
+scope takes the weakest steps over all layers, so how many heads each layer loses follows
+the scores.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..arch import LayerHeads
+from ..arch.heads import LayerKeep, keep_for_query_heads
+from ..errors import UsageError
+
+SCOPES = ("global", "layer")
+UNITS = ("query", "group")
+# exhaustive search over removal sets inside a layer up to this many candidates, else greedy
+EXHAUSTIVE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Target:
+    """How many heads to remove: exactly one of fraction / num_heads / threshold."""
+
+    fraction: float | None = None
+    num_heads: int | None = None  # query heads to remove in total
+    threshold: float | None = None  # remove heads (steps) whose mean score is below this
+    scope: str = "global"
+    min_heads_per_layer: int = 1
+    unit: str = "query"
+
+    def describe(self) -> dict:
+        return {"fraction": self.fraction, "num_heads": self.num_heads, "threshold": self.threshold,
+                "scope": self.scope, "min_heads_per_layer": self.min_heads_per_layer, "unit": self.unit}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Kept query heads per layer (original indices) and what that means for the KV heads."""
+
+    kept: tuple[tuple[int, ...], ...]
+    keeps: tuple[LayerKeep, ...]
+
+    @classmethod
+    def from_kept(cls, geometry: Sequence[LayerHeads], kept: Sequence[Sequence[int]]) -> "Selection":
+        keeps = []
+        for i, (g, k) in enumerate(zip(geometry, kept)):
+            try:
+                keeps.append(keep_for_query_heads(g, k))
+            except UsageError as e:
+                raise UsageError(f"layer {i}: {e}") from None
+        return cls(tuple(ks.q for ks in keeps), tuple(keeps))
+
+    def removed(self, geometry: Sequence[LayerHeads]) -> list[list[int]]:
+        return [sorted(set(range(g.num_heads)) - set(k)) for g, k in zip(geometry, self.kept)]
+
+    def num_removed(self, geometry: Sequence[LayerHeads]) -> int:
+        return sum(g.num_heads - len(k) for g, k in zip(geometry, self.kept))
+
+    def geometry(self, geometry: Sequence[LayerHeads]) -> list[LayerHeads]:
+        return [k.geometry(g) for k, g in zip(self.keeps, geometry)]
+
+    def mask(self, geometry: Sequence[LayerHeads]) -> list[list[float]]:
+        """Gate values (1 kept, 0 removed) per layer: what the pruned model must equal."""
+        return [[1.0 if h in set(k) else 0.0 for h in range(g.num_heads)] for g, k in zip(geometry, self.kept)]
+
+
+# ----------------------------------------------------------------------------- validation
+def check_target(target: Target, geometry: Sequence[LayerHeads]) -> None:
+    """UsageError (one line) for a target that cannot be met, before any work is done."""
+    given = [n for n, v in (("--fraction", target.fraction), ("--num-heads", target.num_heads),
+                            ("--threshold", target.threshold)) if v is not None]
+    if len(given) != 1:
+        raise UsageError("give exactly one target: --fraction, --num-heads or --threshold"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    if target.scope not in SCOPES:
+        raise UsageError(f"--scope must be one of {', '.join(SCOPES)} (got {target.scope!r})")
+    if target.unit not in UNITS:
+        raise UsageError(f"--unit must be one of {', '.join(UNITS)} (got {target.unit!r})")
+    total = sum(g.num_heads for g in geometry)
+    if target.fraction is not None and not (0.0 < target.fraction < 1.0):
+        raise UsageError(f"--fraction must lie strictly between 0 and 1 (got {target.fraction})")
+    if target.num_heads is not None:
+        if target.num_heads < 1:
+            raise UsageError(f"--num-heads must be at least 1 (got {target.num_heads})")
+        if target.num_heads >= total:
+            raise UsageError(f"--num-heads {target.num_heads}: the model has only {total} query heads "
+                             "and every layer must keep at least one")
+    if target.threshold is not None and (not math.isfinite(target.threshold)):
+        raise UsageError(f"--threshold must be a finite number (got {target.threshold})")
+    if target.threshold is not None and target.scope == "layer":
+        raise UsageError("--threshold removes heads by value; it does not combine with --scope layer "
+                         "(use --fraction or --num-heads)")
+    check_min_heads(target.min_heads_per_layer, geometry)
+
+
+def check_min_heads(min_heads: int, geometry: Sequence[LayerHeads]) -> None:
+    if min_heads < 1:
+        raise UsageError(f"--min-heads-per-layer must be at least 1 (got {min_heads})")
+    smallest = min(range(len(geometry)), key=lambda i: geometry[i].num_heads)
+    if min_heads > geometry[smallest].num_heads:
+        raise UsageError(f"--min-heads-per-layer {min_heads} is impossible: layer {smallest} has only "
+                         f"{geometry[smallest].num_heads} query heads")
+
+
+def check_scores(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHeads]) -> list[list[float]]:
+    """Scores as float lists, shaped like the model (layers x query heads), finite."""
+    if len(scores) != len(geometry):
+        raise UsageError(f"the scores have {len(scores)} layers, the model has {len(geometry)}")
+    out = []
+    for i, (row, g) in enumerate(zip(scores, geometry)):
+        if len(row) != g.num_heads:
+            raise UsageError(f"the scores have {len(row)} heads in layer {i}, the model has {g.num_heads}")
+        vals = [float(v) for v in row]
+        if not all(math.isfinite(v) for v in vals):
+            raise UsageError(f"the scores of layer {i} are not all finite numbers")
+        out.append(vals)
+    return out
+
+
+# ----------------------------------------------------------------------------- steps
+def removal_steps(scores: Sequence[float], geo: LayerHeads, unit: str) -> list[list[int]]:
+    """The order in which a layer loses heads, weakest first; each step a list of query heads.
+
+    A layer is never emptied: the steps stop one unit short of removing every head.
+    """
+    g = geo.group_size
+    if g == 1:  # every KV head serves one query head: heads go one by one (with their KV head)
+        order = sorted(range(geo.num_heads), key=lambda h: (scores[h], h))
+        return [[h] for h in order[:-1]]
+    groups = [geo.query_heads_of(k) for k in range(geo.num_kv_heads)]
+    if unit == "group":
+        order = sorted(range(geo.num_kv_heads),
+                       key=lambda k: (sum(scores[h] for h in groups[k]) / g, k))
+        return [groups[k] for k in order[:-1]]
+    ranked = [sorted(grp, key=lambda h: (scores[h], h)) for grp in groups]
+    return [[r[j] for r in ranked] for j in range(g - 1)]
+
+
+def _step_mean(step: Sequence[int], scores: Sequence[float]) -> float:
+    return sum(scores[h] for h in step) / len(step)
+
+
+def _allowed_steps(steps: list[list[int]], geo: LayerHeads, min_heads: int) -> list[list[int]]:
+    out, left = [], geo.num_heads
+    for s in steps:
+        if left - len(s) < min_heads:
+            break
+        out.append(s)
+        left -= len(s)
+    return out
+
+
+def _closest_prefix(sizes: Sequence[int], want: float) -> int:
+    """How many steps (in order) bring the removed count closest to `want` (ties: fewer)."""
+    best, best_n, total = abs(want), 0, 0
+    for n, s in enumerate(sizes, 1):
+        total += s
+        if abs(total - want) < best - 1e-9:
+            best, best_n = abs(total - want), n
+    return best_n
+
+
+def _unit_name(unit: str) -> str:
+    return "whole KV groups" if unit == "group" else "one query head per KV group at a time"
+
+
+def select_heads(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHeads], target: Target) -> Selection:
+    """The heads to keep per layer for `target`, from scores (higher = more important)."""
+    geometry = list(geometry)
+    check_target(target, geometry)
+    scores = check_scores(scores, geometry)
+    total = sum(g.num_heads for g in geometry)
+    allowed = [_allowed_steps(removal_steps(s, g, target.unit), g, target.min_heads_per_layer)
+               for s, g in zip(scores, geometry)]
+    removable = sum(len(st) for steps in allowed for st in steps)
+    taken = [0] * len(geometry)  # steps taken per layer
+
+    if target.scope == "layer":
+        if target.num_heads is not None:
+            if target.num_heads % len(geometry):
+                raise UsageError(f"--scope layer removes the same number from every layer: --num-heads "
+                                 f"{target.num_heads} is not a multiple of the {len(geometry)} layers")
+            per_layer = [target.num_heads // len(geometry)] * len(geometry)
+        else:
+            per_layer = [target.fraction * g.num_heads for g in geometry]
+        for i, (steps, want) in enumerate(zip(allowed, per_layer)):
+            n = _closest_prefix([len(s) for s in steps], want)
+            got = sum(len(s) for s in steps[:n])
+            if target.num_heads is not None and got != want:
+                raise UsageError(f"layer {i} cannot lose exactly {int(want)} query heads with --unit "
+                                 f"{target.unit} ({_unit_name(target.unit)}) and --min-heads-per-layer "
+                                 f"{target.min_heads_per_layer}")
+            taken[i] = n
+    else:
+        ranked = sorted(((_step_mean(st, scores[i]), i, j, len(st))
+                         for i, steps in enumerate(allowed) for j, st in enumerate(steps)))
+        if target.threshold is not None:
+            chosen = [r for r in ranked if r[0] < target.threshold]
+        else:
+            want = target.num_heads if target.num_heads is not None else target.fraction * total
+            if round(want) > removable:
+                raise UsageError(f"cannot remove {round(want)} query heads: at most {removable} of {total} can "
+                                 f"go with --min-heads-per-layer {target.min_heads_per_layer} and --unit "
+                                 f"{target.unit}")
+            chosen = ranked[:_closest_prefix([r[3] for r in ranked], want)]
+        for _, i, j, _ in chosen:
+            taken[i] = max(taken[i], j + 1)  # step order inside a layer is weakest first
+    kept = []
+    for i, g in enumerate(geometry):
+        gone = {h for st in allowed[i][:taken[i]] for h in st}
+        kept.append([h for h in range(g.num_heads) if h not in gone])
+    return Selection.from_kept(geometry, kept)
+
+
+# ----------------------------------------------------------------------------- explicit lists
+_SEGMENT = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\s*,\s*\d+)*)\s*$")
+
+
+def parse_heads(text: str, geometry: Sequence[LayerHeads]) -> dict[int, list[int]]:
+    """Parse `--heads "3:0,5;7:2"` (heads to remove, `layer:heads`, layers separated by ';').
+
+    An empty string explicitly removes nothing (the output reproduces the model); separators
+    with nothing between them (";;") are a typo and an error.
+    """
+    removed: dict[int, set[int]] = {}
+    if not text.strip():
+        return {}
+    if not any(seg.strip() for seg in text.split(";")):
+        raise UsageError(f"--heads {text!r} lists no heads; write layer:head,head;layer:head (e.g. \"3:0,5;7:2\"), "
+                         "or --heads \"\" to remove none")
+    for seg in text.split(";"):
+        if not seg.strip():
+            continue
+        m = _SEGMENT.match(seg)
+        if not m:
+            raise UsageError(f"--heads: cannot read {seg.strip()!r}; write layer:head,head;layer:head "
+                             "(e.g. \"3:0,5;7:2\")")
+        layer = int(m.group(1))
+        if layer >= len(geometry):
+            raise UsageError(f"--heads: layer {layer} does not exist (the model has layers 0..{len(geometry) - 1})")
+        heads = [int(h) for h in m.group(2).split(",")]
+        bad = [h for h in heads if h >= geometry[layer].num_heads]
+        if bad:
+            raise UsageError(f"--heads: layer {layer} has query heads 0..{geometry[layer].num_heads - 1}, "
+                             f"not {', '.join(map(str, bad))}")
+        removed.setdefault(layer, set()).update(heads)
+    return {layer: sorted(h) for layer, h in sorted(removed.items())}
+
+
+def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence[LayerHeads],
+                           min_heads: int = 1) -> Selection:
+    """A Selection that removes exactly the listed heads (checked against the GQA rules)."""
+    check_min_heads(min_heads, geometry)
+    kept = []
+    for i, g in enumerate(geometry):
+        gone = set(removed.get(i, ()))
+        k = [h for h in range(g.num_heads) if h not in gone]
+        if len(k) < min_heads:
+            raise UsageError(f"layer {i} would keep {len(k)} query heads, fewer than --min-heads-per-layer "
+                             f"{min_heads}")
+        kept.append(k)
+    return Selection.from_kept(geometry, kept)
+
+
+# ----------------------------------------------------------------------------- inside one layer
+def candidate_sets(geo: LayerHeads, n_remove: int, unit: str) -> list[list[int]] | None:
+    """Every removal set of `n_remove` query heads obeying `unit`, or None when too many."""
+    if n_remove == 0:
+        return [[]]
+    g = geo.group_size
+    if g == 1 or (unit == "query" and geo.num_kv_heads == 1):
+        pools, per = [list(range(geo.num_heads))], [n_remove]
+    elif unit == "group":
+        if n_remove % g:
+            raise ValueError(f"{n_remove} is not a whole number of groups of {g}")
+        n_groups = n_remove // g
+        if math.comb(geo.num_kv_heads, n_groups) > EXHAUSTIVE_LIMIT:
+            return None
+        return [[h for k in ks for h in geo.query_heads_of(k)]
+                for ks in itertools.combinations(range(geo.num_kv_heads), n_groups)]
+    else:
+        if n_remove % geo.num_kv_heads:
+            raise ValueError(f"{n_remove} query heads cannot come equally from {geo.num_kv_heads} groups")
+        pools = [geo.query_heads_of(k) for k in range(geo.num_kv_heads)]
+        per = [n_remove // geo.num_kv_heads] * geo.num_kv_heads
+    count = math.prod(math.comb(len(p), n) for p, n in zip(pools, per))
+    if count > EXHAUSTIVE_LIMIT:
+        return None
+    per_pool = [list(itertools.combinations(p, n)) for p, n in zip(pools, per)]
+    return [sorted(h for part in combo for h in part) for combo in itertools.product(*per_pool)]
+
+
+def choose_removal(geo: LayerHeads, n_remove: int, unit: str,
+                   cost: Callable[[list[int]], float]) -> list[int]:
+    """The removal set of `n_remove` query heads (obeying `unit`) with the lowest `cost`.
+
+    Exhaustive when the number of candidate sets is small, else greedy (one unit at a time,
+    each time the cheapest addition given what is already removed).
+    """
+    sets = candidate_sets(geo, n_remove, unit)
+    if sets is not None:
+        return min(sets, key=lambda s: (cost(s), s))
+    g = geo.group_size
+    if g == 1 or (unit == "query" and geo.num_kv_heads == 1):
+        units = [[h] for h in range(geo.num_heads)]
+        rounds = [units] * n_remove
+    elif unit == "group":
+        units = [geo.query_heads_of(k) for k in range(geo.num_kv_heads)]
+        rounds = [units] * (n_remove // g)
+    else:  # one head from each group per round, group by group
+        rounds = [[[h] for h in geo.query_heads_of(k)] for _ in range(n_remove // geo.num_kv_heads)
+                  for k in range(geo.num_kv_heads)]
+    removed: list[int] = []
+    for options in rounds:
+        free = [u for u in options if not set(u) & set(removed)]
+        best = min(free, key=lambda u: (cost(sorted(removed + u)), u))
+        removed = sorted(removed + best)
+    return removed

@@ -1,0 +1,257 @@
+"""Surgery on checkpoints larger than memory: shard by shard, tensor by tensor, no model built.
+
+Used when no forward pass is needed (prune with a score document or a head list and no
+compensation; convert-gqa with `--merge mean`). The tensor math is the in-memory path's own
+(`surgery.prune_layer_tensors`, `convert.mean_layer_tensors`); the config and model card come from a
+model built on the meta device (no memory), so the output folder is the same as in memory.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..arch import Adapter, LayerHeads, adapter_for
+from ..errors import UsageError
+from ..io.safetensors_stream import DTYPES, LazyCheckpoint, write_checkpoint_streaming
+from ..io.sizes import parse_size
+from ..model.fingerprint import checkpoint_fingerprint
+
+LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class CheckpointRef:
+    """A checkpoint on disk, described without loading its weights (quacks like LoadedModel
+    where read_scores, check_output_target and write-out need it)."""
+
+    ref: str
+    path: str
+    config: Any
+    adapter: Adapter
+    lazy: LazyCheckpoint
+    task: str
+    tokenizer: Any = None
+    _fingerprint: str | None = field(default=None, repr=False)
+    _prefixes: list[str] | None = field(default=None, repr=False)
+
+    @property
+    def geometry(self) -> list[LayerHeads]:
+        return self.adapter.geometry(self.config)
+
+    @property
+    def layer_prefixes(self) -> list[str]:
+        """Each layer's key prefix in the checkpoint (found once: a scan over all keys)."""
+        if self._prefixes is None:
+            keys = self.lazy.keys()
+            self._prefixes = [self.adapter.layer_prefix_in_keys(keys, i) for i in range(len(self.geometry))]
+        return self._prefixes
+
+    @property
+    def fingerprint(self) -> str:
+        """The same fingerprint as `LoadedModel.fingerprint` of the loaded model."""
+        if self._fingerprint is None:
+            self._fingerprint = checkpoint_fingerprint(self.config.to_dict(), self.lazy)
+        return self._fingerprint
+
+    @property
+    def model(self):
+        """A weightless (meta-device) model: for figures and the output config, never for compute."""
+        return meta_model(self.config, self.task)
+
+
+def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
+    """A local safetensors folder (or packaged model) opened for streaming; UsageError otherwise."""
+    from ..model.classes import pick_task
+    from ..model.config import load_config
+    from ..model.refs import resolve_ref
+
+    path, source = resolve_ref(ref)
+    if source == "hub":
+        raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
+    config = load_config(path, source, trust_remote_code)
+    adapter = adapter_for(config)
+    lazy = LazyCheckpoint(path)
+    return CheckpointRef(ref, path, config, adapter, lazy, pick_task(config))
+
+
+def meta_model(config, task: str):
+    """The model built on the meta device: its class, config and head geometry, no weights."""
+    import copy
+
+    from ..model.classes import auto_class, model_class
+
+    config = copy.deepcopy(config)  # resizing updates the model's config; the checkpoint's stays as read
+    with torch.device("meta"):
+        try:
+            cls = model_class(config, task)
+            return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+        except Exception:  # noqa: BLE001 - fall back to the auto class
+            return auto_class(task).from_config(config)
+
+
+def plan_entries(ck: CheckpointRef, new_geometry: list[LayerHeads]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Output tensor names, dtypes and shapes, computed before any tensor is read."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for prefix, geo in zip(ck.layer_prefixes, new_geometry):
+        for ht in ck.adapter.tensors:
+            key = prefix + ht.name
+            if key not in ck.lazy:
+                if not ht.optional:
+                    raise UsageError(f"weights missing for a layer: {key} is not in the checkpoint")
+                continue
+            shape = list(ck.lazy.index[key].shape)
+            shape[ht.axis] = ht.size(geo)
+            shapes[key] = tuple(shape)
+    return [(e.name, e.dtype, shapes.get(e.name, e.shape)) for e in ck.lazy.index.values()]
+
+
+def layer_of(ck: CheckpointRef) -> dict[str, int]:
+    """Which layer each checkpoint key belongs to (only keys of attention tensors)."""
+    out = {}
+    for i, prefix in enumerate(ck.layer_prefixes):
+        for ht in ck.adapter.tensors:
+            out[prefix + ht.name] = i
+    return out
+
+
+class _LayerTensors(Mapping):
+    """A layer's attention tensors, each read from disk only when the layer function asks for it
+    (a tensor it never touches is copied file to file)."""
+
+    def __init__(self, lazy: LazyCheckpoint, keys: list[str]):
+        self._lazy, self._keys, self._read = lazy, keys, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._read:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._read[key] = self._lazy[key]
+        return self._read[key]
+
+    def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
+        return key in self._keys
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerHeads], layer_fn: LayerFn, *,
+                   meta: dict, card_table: str = "", overwrite: bool = False,
+                   shard_size: str | int = "5GB") -> dict[str, Any]:
+    """Write the checkpoint with every layer's attention tensors replaced by `layer_fn(i, tensors)`.
+
+    Peak memory: the tensors of one layer's attention plus the one being written.
+    """
+    from ..io.output import check_output_target, finish_folder, output_kind, temp_folder
+    from ..model.resize import resize_attention
+
+    target = check_output_target(out, ck.path, overwrite)
+    shard_bytes = parse_size(shard_size)
+    entries = plan_entries(ck, new_geometry)
+    owner = layer_of(ck)
+    done: dict[int, dict[str, torch.Tensor]] = {}
+
+    def produce(name: str) -> torch.Tensor:
+        i = owner.get(name)
+        if i is not None and i not in done:
+            done.clear()  # one layer at a time
+            prefix = ck.layer_prefixes[i]
+            done[i] = layer_fn(i, _LayerTensors(ck.lazy, [prefix + ht.name for ht in ck.adapter.tensors
+                                                         if prefix + ht.name in ck.lazy]))
+        if i is None or name not in done[i]:
+            return ck.lazy.raw(name)  # unchanged: bytes copied file to file
+        return done[i][name]
+
+    # the output config from a weightless model resized to the new geometry
+    model = meta_model(ck.config, ck.task)
+    planned = {name: (DTYPES[dtype], shape) for name, dtype, shape in entries}
+    for i, (geo, old) in enumerate(zip(new_geometry, ck.geometry)):
+        if geo != old:
+            prefix, file_prefix = ck.adapter.layer_prefix(model, i), ck.layer_prefixes[i]
+            new = {prefix + n[len(file_prefix):]: torch.empty(planned[n][1], dtype=planned[n][0], device="meta")
+                   for n, layer in owner.items() if layer == i and n in planned}
+            resize_attention(model, ck.adapter, i, geo, new)
+    kind = output_kind(model)
+    with temp_folder(target) as tmp:
+        write_checkpoint_streaming(tmp, entries, produce, shard_bytes)
+        model.config.save_pretrained(tmp)
+        return finish_folder(tmp, target, model=model, source=ck, tokenizer=None, meta=meta,
+                             card_table=card_table, kind=kind)
+
+
+def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]], out: str | Path, *,
+                 meta: dict, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
+    """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming."""
+    from ..arch.heads import keep_for_query_heads, prune_layer_tensors
+
+    geometry = ck.geometry
+    keeps = [keep_for_query_heads(g, k) for g, k in zip(geometry, kept)]
+    new_geometry = [k.geometry(g) for k, g in zip(keeps, geometry)]
+
+    def layer_fn(i: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if new_geometry[i] == geometry[i]:
+            return {}  # nothing removed in this layer: its tensors are copied as they are
+        return prune_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geometry[i], keeps[i])
+
+    return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
+                          overwrite=overwrite, shard_size=shard_size)
+
+
+def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: dict, card_table: str = "",
+                        overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
+    """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
+    from .merging import check_target, contiguous_groups, mean_layer_tensors
+
+    geometry = ck.geometry
+    check_target(ck.adapter, geometry, n_kv)
+    new_geometry = [LayerHeads(g.num_heads, n_kv, g.head_dim) for g in geometry]
+
+    def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        geo = geometry[i]
+        return mean_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geo, contiguous_groups(geo, n_kv),
+                                  new_geometry[i])
+
+    return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
+                          overwrite=overwrite, shard_size=shard_size)
+
+
+def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None, target,
+                               min_heads: int, overwrite: bool, shard_size: str | int,
+                               trust_remote_code: bool = False) -> dict:
+    """`prune --streaming`: heads from a score document or a list, removed shard by shard."""
+    from .selection import (
+        check_target,
+        parse_heads,
+        select_heads,
+        selection_from_removed,
+    )
+
+    ck = open_checkpoint(ref, trust_remote_code)
+    from ..io.output import check_output_target
+
+    check_output_target(out, ck.path, overwrite)
+    geometry = ck.geometry
+    if heads is not None:
+        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
+        score_info = None
+    else:
+        from ..measure.scores_doc import read_scores
+
+        check_target(target, geometry)
+        doc = read_scores(scores, ck)
+        selection = select_heads(doc["scores"], geometry, target)
+        score_info = {"from": scores, "method": doc.get("method"), "objective": doc.get("objective")}
+    kept = [list(k) for k in selection.kept]
+    meta = {"operation": "prune", "method": score_info["method"] if score_info else "explicit",
+            "scores": score_info, "streaming": True,
+            "options": {"target": target.describe() if target else None, "heads": heads},
+            "kept_heads": kept}
+    written = stream_prune(ck, kept, out, meta=meta, overwrite=overwrite, shard_size=shard_size)
+    return {**written, "kept_heads": kept}

@@ -1,0 +1,1 @@
+"""Training a pruned or merged model back towards its original: distillation loop, low-rank adapter."""

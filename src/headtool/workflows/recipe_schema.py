@@ -1,0 +1,303 @@
+"""Recipes: a declared pipeline (model, data, steps) in YAML, validated whole before anything runs.
+
+Every problem is reported at once with its YAML location (file:line:col); values can be
+overridden from the command line (`--set steps.1.fraction=0.4`). Step options are the
+commands' options; the executors live in `headtool.workflows.recipe_runner`.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from ..errors import UsageError
+
+# --------------------------------------------------------------------------- schema
+Check = Callable[[Any], str | None]  # returns a problem or None
+
+
+def _type(*types: type, what: str) -> Check:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) and bool not in types:
+            return f"must be {what}, got {v!r}"
+        return None if isinstance(v, types) else f"must be {what}, got {v!r}"
+    return check
+
+
+def _enum(*values: str) -> Check:
+    def check(v: Any) -> str | None:
+        return None if v in values else f"must be one of {', '.join(values)}, got {v!r}"
+    return check
+
+
+def _enum_list(*values: str) -> Check:
+    """One value or a comma-separated list / YAML list of values (e.g. merge: mean,aligned)."""
+    def check(v: Any) -> str | None:
+        items = v if isinstance(v, list) else str(v).split(",")
+        bad = [x for x in items if str(x).strip() not in values]
+        return None if not bad else f"must be among {', '.join(values)}, got {bad}"
+    return check
+
+
+def _int_min(lo: int) -> Check:
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, int) and not isinstance(v, bool) and v >= lo else \
+            f"must be an integer >= {lo}, got {v!r}"
+    return check
+
+
+def _open_unit(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
+    return None if ok else f"must be a number in (0, 1), got {v!r}"
+
+
+def _positive(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    return None if ok else f"must be a positive number, got {v!r}"
+
+
+_STR = _type(str, what="a string")
+_BOOL = _type(bool, what="true or false")
+_NUM = _type(int, float, what="a number")
+
+DATA_KEYS: dict[str, Check] = {
+    "source": _STR, "split": _STR, "text_column": _STR, "label_column": _STR,
+    "seq_len": _int_min(2), "batch_size": _int_min(1), "max_samples": _int_min(1),
+    "num_tokens": _int_min(1), "seed": _int_min(0), "skip_samples": _int_min(0),
+}
+_DATA = "data"  # marker: a nested data block
+
+STEP_KEYS: dict[str, dict[str, Check | str]] = {
+    "score": {"method": _enum("gradient", "ablation", "taylor", "magnitude", "random"),
+              "objective": _enum("auto", "lm", "mlm", "classification", "kl"),
+              "normalize": _enum("layer", "none"), "iterative": _int_min(1),
+              "data": _DATA, "output": _STR},
+    "prune": {"fraction": _open_unit, "num_heads": _int_min(1), "threshold": _NUM,
+              "scope": _enum("global", "layer"), "min_heads_per_layer": _int_min(0),
+              "unit": _enum("query", "group"), "heads": _STR, "compensate": _BOOL,
+              "damping": _positive, "method": _enum("gradient", "ablation", "taylor", "magnitude", "random"),
+              "objective": _enum("auto", "lm", "mlm", "classification", "kl"),
+              "data": _DATA, "eval_data": _DATA},
+    "convert_gqa": {"kv_heads": _int_min(1), "grouping": _enum("contiguous", "similarity"),
+                    "merge": _enum_list("mean", "aligned", "fit"), "data": _DATA, "eval_data": _DATA},
+    "eval": {"data": _DATA, "objective": _enum("auto", "lm", "mlm", "classification")},
+    "heal": {"max_steps": _int_min(1), "num_tokens": _int_min(1), "lr": _positive, "temperature": _positive,
+             "train": _enum("attention", "all", "lora"), "lm_weight": _NUM, "hidden_weight": _NUM,
+             "grad_accum": _int_min(1), "warmup_steps": _int_min(0), "data": _DATA, "eval_data": _DATA},
+}
+STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads")}
+
+TOP_KEYS: dict[str, Check | str] = {
+    "name": _STR, "description": _STR, "model": _STR, "dtype": _enum("auto", "float32", "bfloat16", "float16"),
+    "device": _STR, "seed": _int_min(0), "trust_remote_code": _BOOL, "data": _DATA, "output": _STR,
+    "overwrite": _BOOL, "sequential": _BOOL, "device_map": _STR, "max_memory": _STR, "steps": "steps",
+}
+
+
+# --------------------------------------------------------------------------- loading with marks
+@dataclass
+class Recipe:
+    """A parsed recipe: the plain values plus where each came from in the file."""
+
+    path: str
+    values: dict[str, Any]
+    marks: dict[str, str] = field(default_factory=dict)  # dotted path -> "file:line:col"
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return self.values.get("steps") or []
+
+    def where(self, dotted: str) -> str:
+        while dotted and dotted not in self.marks:
+            dotted = dotted.rsplit(".", 1)[0] if "." in dotted else ""
+        return self.marks.get(dotted, self.path)
+
+
+def _to_python(node: yaml.Node, path: str, marks: dict[str, str], fname: str) -> Any:
+    marks[path] = f"{fname}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for k, v in node.value:
+            key = str(yaml.safe_load(yaml.serialize(k)))
+            out[key] = _to_python(v, f"{path}.{key}" if path else key, marks, fname)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(v, f"{path}.{i}" if path else str(i), marks, fname) for i, v in enumerate(node.value)]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"recipe not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UsageError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from e
+    marks: dict[str, str] = {}
+    values = _to_python(node, "", marks, str(p)) if node is not None else {}
+    if not isinstance(values, dict):
+        raise UsageError(f"{p}: a recipe is a mapping with 'model' and 'steps'")
+    recipe = Recipe(str(p), values, marks)
+    normalise_steps(recipe)
+    return recipe
+
+
+def normalise_steps(recipe: Recipe) -> None:
+    """Accept `- prune: {fraction: 0.3}` as well as `- step: prune\\n  fraction: 0.3`."""
+    steps = recipe.values.get("steps")
+    if not isinstance(steps, list):
+        return
+    for i, s in enumerate(steps):
+        if isinstance(s, dict) and "step" not in s and len(s) == 1:
+            (name, opts), = s.items()
+            if isinstance(opts, dict) or opts is None:
+                steps[i] = {"step": name, **(opts or {})}
+                for key in list(recipe.marks):
+                    prefix = f"steps.{i}.{name}"
+                    if key.startswith(prefix + ".") or key == prefix:
+                        recipe.marks[f"steps.{i}" + key[len(prefix):]] = recipe.marks[key]
+
+
+# --------------------------------------------------------------------------- overrides
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(recipe: Recipe, assignments: list[str]) -> None:
+    """`key.sub.0.k=value` assignments (values parsed as YAML scalars)."""
+    for a in assignments:
+        if "=" not in a:
+            raise UsageError(f"--set {a!r}: use KEY=VALUE, e.g. --set steps.1.fraction=0.4")
+        key, raw = a.split("=", 1)
+        parts = key.strip().split(".")
+        cur: Any = recipe.values
+        for j, part in enumerate(parts):
+            last = j == len(parts) - 1
+            if isinstance(cur, list):
+                if not part.isdigit() or int(part) >= len(cur):
+                    raise UsageError(f"--set {key}: no item {part!r} (there are {len(cur)})")
+                if last:
+                    cur[int(part)] = _parse_scalar(raw)
+                else:
+                    cur = cur[int(part)]
+            elif isinstance(cur, dict):
+                if last:
+                    cur[part] = _parse_scalar(raw)
+                else:
+                    cur = cur.setdefault(part, {})
+            else:
+                raise UsageError(f"--set {key}: {'.'.join(parts[:j])} is not a mapping or list")
+        recipe.marks[key] = f"--set {key}"
+
+
+# --------------------------------------------------------------------------- validation
+def _looks_local(ref: str) -> bool:
+    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or ref.endswith(
+        (".gguf", ".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet"))
+
+
+def _check_block(block: Any, schema: dict[str, Check | str], where: str, recipe: Recipe,
+                 problems: list[str]) -> None:
+    if not isinstance(block, dict):
+        problems.append(f"{recipe.where(where)}: {where}: must be a mapping")
+        return
+    for key, value in block.items():
+        dotted = f"{where}.{key}" if where else key
+        check = schema.get(key)
+        if check is None and key != "step":
+            problems.append(f"{recipe.where(dotted)}: {dotted}: unknown key (known: {', '.join(sorted(schema))})")
+        elif check == _DATA:
+            _check_block(value, DATA_KEYS, dotted, recipe, problems)
+            if isinstance(value, dict) and isinstance(value.get("source"), str):
+                src = value["source"]
+                if src not in ("-",) and not src.startswith("builtin:") and _looks_local(src) \
+                        and not Path(os.path.expanduser(src)).exists():
+                    problems.append(f"{recipe.where(dotted + '.source')}: {dotted}.source: file not found: {src}")
+        elif callable(check) and value is not None:
+            msg = check(value)
+            if msg:
+                problems.append(f"{recipe.where(dotted)}: {dotted}: {msg}")
+
+
+def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], None] | None = None) -> None:
+    """Raise one UsageError listing every problem of the recipe (one per line)."""
+    normalise_steps(recipe)
+    problems: list[str] = []
+    v = recipe.values
+    _check_block(v, {k: c for k, c in TOP_KEYS.items() if k != "steps"} | {"steps": "steps"}, "", recipe, problems)
+    if not v.get("model"):
+        problems.append(f"{recipe.path}: model: required (a folder, .gguf file, packaged name or hub id)")
+    elif isinstance(v["model"], str) and _looks_local(v["model"]) and not Path(os.path.expanduser(v["model"])).exists():
+        problems.append(f"{recipe.where('model')}: model: not found: {v['model']}")
+    _check_placement(recipe, problems)
+    steps = v.get("steps")
+    if not isinstance(steps, list) or not steps:
+        problems.append(f"{recipe.where('steps')}: steps: required, a non-empty list of steps")
+        steps = []
+    for i, step in enumerate(steps):
+        where = f"steps.{i}"
+        if not isinstance(step, dict) or "step" not in step:
+            problems.append(f"{recipe.where(where)}: {where}: each step is a mapping with a step name "
+                            f"({', '.join(STEP_KEYS)})")
+            continue
+        name = step["step"]
+        if name not in STEP_KEYS:
+            problems.append(f"{recipe.where(where)}: {where}: unknown step {name!r} (known: {', '.join(STEP_KEYS)})")
+            continue
+        _check_block(step, STEP_KEYS[name], where, recipe, problems)
+        targets = [t for t in STEP_TARGETS.get(name, ()) if step.get(t) is not None]
+        if name in STEP_TARGETS and len(targets) != 1:
+            problems.append(f"{recipe.where(where)}: {where}: give exactly one target of "
+                            f"{', '.join(STEP_TARGETS[name])} (got {targets or 'none'})")
+        if name == "convert_gqa" and "kv_heads" not in step:
+            problems.append(f"{recipe.where(where)}: {where}.kv_heads: required")
+    if geometry_check is not None and not problems:
+        geometry_check(recipe, problems)
+    if problems:
+        raise UsageError(f"recipe {recipe.path} has {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+def _check_placement(recipe: Recipe, problems: list[str]) -> None:
+    """sequential / device_map / max_memory: the same rules as the CLI's --sequential, --device-map
+    and --max-memory, reported at their place in the file."""
+    from ..model.placement import parse_max_memory
+
+    v = recipe.values
+    if v.get("sequential") and v.get("device_map"):
+        problems.append(f"{recipe.where('device_map')}: device_map: sequential places layers itself: "
+                        "leave out device_map")
+    if v.get("max_memory") is not None:
+        if not v.get("device_map"):
+            problems.append(f"{recipe.where('max_memory')}: max_memory: caps devices for device_map: "
+                            "add device_map: auto")
+        elif isinstance(v["max_memory"], str):
+            try:
+                parse_max_memory(v["max_memory"])
+            except UsageError as e:
+                problems.append(f"{recipe.where('max_memory')}: max_memory: {str(e).removeprefix('--max-memory: ')}")
+
+
+def resolved(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as it will run (after overrides), for the output folder and model card."""
+    return copy.deepcopy(recipe.values)
+
+
+def step_data(recipe: Recipe, step: dict[str, Any], key: str = "data") -> dict[str, Any] | None:
+    """A step's data block merged over the recipe's top-level data block."""
+    top = recipe.values.get("data") or {}
+    own = step.get(key)
+    if own is None and key != "data":
+        return None
+    merged = {**top, **(own or {})}
+    if "seed" not in merged and "seed" in recipe.values:
+        merged["seed"] = recipe.values["seed"]
+    return merged
