@@ -3,7 +3,7 @@
 The 3 -> 1 KV-head copy is made here by averaging each layer's K and V projections over the
 three KV heads (headtool.surgery.extract_heads / assemble, config num_key_value_heads = 1,
 save_pretrained). Its quality is irrelevant: only speed and memory are measured, with
-`headtool.speed.compare_speed`, the code behind `headtool eval --speed`.
+`headtool.workflows.evaluate.run_speed`, the code behind `headtool eval --speed`.
 
     python benchmarks/bench_speed.py --batch 2 --context 1024 --new-tokens 32 --repeats 3 --warmup 1
 
@@ -26,7 +26,9 @@ import torch  # noqa: E402
 
 from headtool.arch import LayerHeads  # noqa: E402
 from headtool.model.loading import load_model
-from headtool.measure.speed import SpeedSpec, compare_speed
+from headtool.measure.speed import SpeedSpec
+from headtool.model.placement import LoadOptions
+from headtool.workflows.evaluate import SpeedRequest, run_speed
 from headtool.arch.heads import assemble, extract_heads
 
 RESULTS = Path(__file__).parent / "results" / "speed.json"
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         convert_s = time.perf_counter() - t0
         spec = SpeedSpec(batch=args.batch, context=args.context, new_tokens=args.new_tokens,
                          repeats=args.repeats, warmup=args.warmup)
-        doc = compare_speed([args.model, str(folder)], spec, {"dtype": "float32", "device": "cpu"})
+        doc = run_speed(SpeedRequest((args.model, str(folder)), spec,
+                                     load=LoadOptions(dtype="float32", device="cpu")))
     finally:
         if args.keep is None:
             shutil.rmtree(tmp, ignore_errors=True)

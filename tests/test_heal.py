@@ -18,13 +18,19 @@ from headtool.arch import adapter_for
 from headtool.cli.app import app
 from headtool.data.sources import DataSpec
 from headtool.errors import UsageError
-from headtool.train.healing import (HealInterrupted, HealOptions, distill_terms, heal_checkpoint, lr_lambda,
+from headtool.train.healing import (HealInterrupted, HealOptions, distill_terms, lr_lambda,
     state_folder)
 from headtool.model.loading import load_model
+from headtool.model.placement import LoadOptions
 from headtool.train.lowrank import LowRankLinear, add_lowrank, merge_lowrank
+from headtool.workflows.heal import HealRequest, run_heal
 from tiny_models import checkpoint_tensors, logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
+
+
+def heal_checkpoint(student: str, teacher: str, output, *, callback=None, **kw) -> dict:
+    return run_heal(HealRequest(student, teacher, output, **kw), callback=callback)
 
 
 SMALL = ["--seq-len", "16", "--batch-size", "2", "--eval-samples", "4"]
@@ -171,7 +177,7 @@ def _spec(text) -> DataSpec:
 def test_interrupt_and_resume_equals_uninterrupted(pair, text, tmp_path, mode):
     teacher, student = pair
     opts = HealOptions(train=mode, max_steps=9, lr=3e-3, save_every=2, eval_every=3, grad_accum=2, seed=3)
-    kw = dict(data=_spec(text), opts=opts, eval_samples=4, load_kwargs={"dtype": "float32", "device": "cpu"})
+    kw = dict(data=_spec(text), opts=opts, eval_samples=4, load=LoadOptions(dtype="float32", device="cpu"))
     full = heal_checkpoint(str(student), str(teacher), tmp_path / "full", **kw)
 
     def crash(step, record):
@@ -198,7 +204,7 @@ def test_interrupt_and_resume_equals_uninterrupted(pair, text, tmp_path, mode):
 def test_ctrl_c_saves_the_state_of_the_step_and_resumes(pair, text, tmp_path):
     teacher, student = pair
     opts = HealOptions(max_steps=6, lr=3e-3, save_every=100, seed=3)
-    kw = dict(data=_spec(text), opts=opts, eval_samples=4, load_kwargs={"dtype": "float32", "device": "cpu"})
+    kw = dict(data=_spec(text), opts=opts, eval_samples=4, load=LoadOptions(dtype="float32", device="cpu"))
 
     def ctrl_c(step, record):
         if step == 3:
@@ -283,7 +289,7 @@ def test_data_parallel_two_ranks_equal_one_process_with_accumulation(pair, text,
     import multiprocessing as mp
 
     teacher, student = pair
-    kw = dict(data=_spec(text), eval_samples=4, load_kwargs={"dtype": "float32", "device": "cpu"})
+    kw = dict(data=_spec(text), eval_samples=4, load=LoadOptions(dtype="float32", device="cpu"))
     one = heal_checkpoint(str(student), str(teacher), tmp_path / "one",
                           opts=HealOptions(max_steps=4, grad_accum=2, lr=3e-3, seed=3), **kw)
     ctx = mp.get_context("fork")

@@ -109,12 +109,10 @@ def info(
 
     Example: headtool info smollm2-135m --json | jq .num_kv_heads
     """
-    from ..model.info import model_info
-    from ..model.loading import load_model
+    from ..workflows.info import InfoRequest, run_info
     from .render import info_table
 
-    lm = load_model(model, **load.kwargs())
-    figures = {**model_info(lm.model, lm.adapter), "path": lm.path}
+    figures = run_info(InfoRequest(model, load))
     err_console().print(info_table(model, figures))
     if json_out:
         print_json(figures)
@@ -155,12 +153,13 @@ def eval_cmd(
     speed_opts = {"batch": batch, "context": context, "new_tokens": new_tokens, "repeats": repeats,
                   "warmup": warmup}
     if speed:
-        from ..measure.speed import SpeedSpec, compare_speed
+        from ..measure.speed import SpeedSpec
+        from ..workflows.evaluate import SpeedRequest, run_speed
         from .render import speed_table
 
         spec = SpeedSpec(**{k: v for k, v in speed_opts.items() if v is not None})
         ds = data_spec or DataSpec()
-        doc = compare_speed(models, spec, load.kwargs(), source=ds.source, seed=ds.seed)
+        doc = run_speed(SpeedRequest(tuple(models), spec, source=ds.source, seed=ds.seed, load=load))
         err_console().print(speed_table(doc))
         if json_out:
             print_json(doc)
@@ -169,10 +168,10 @@ def eval_cmd(
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --speed")
 
-    from ..measure.evaluation import compare_models
+    from ..workflows.evaluate import EvalRequest, run_eval
     from .render import eval_table
 
-    result = compare_models(models, data_spec or DataSpec(), objective, load.kwargs())
+    result = run_eval(EvalRequest(tuple(models), objective, data_spec or DataSpec(), load))
     err_console().print(eval_table(result))
     if json_out:
         print_json(result)

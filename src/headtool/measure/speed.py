@@ -19,7 +19,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -291,7 +291,7 @@ def speed_input_ids(tokenizer, spec: SpeedSpec, source: str = "builtin:pydoc", s
     return ids[: spec.batch]
 
 
-def _max_positions(config) -> int | None:
+def max_positions(config) -> int | None:
     for key in ("max_position_embeddings", "n_positions"):
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 0:
@@ -299,47 +299,3 @@ def _max_positions(config) -> int | None:
     return None
 
 
-def compare_speed(refs: Sequence[str], spec: SpeedSpec, load_kwargs: dict, *, source: str = "builtin:pydoc",
-                  seed: int = 0) -> dict[str, Any]:
-    """Load every model, measure them interleaved on the same tokens; a `headtool.speed/1` document."""
-    from ..console import info
-    from ..model.info import model_info
-    from ..model.loading import load_model
-    from .evaluation import tokenizers_agree
-
-    spec.check()
-    if not refs:
-        raise UsageError("eval --speed needs at least one MODEL")
-    loaded = [load_model(r, **load_kwargs) for r in refs]
-    first = loaded[0]
-    if first.tokenizer is None:
-        raise UsageError(f"{refs[0]}: no tokenizer files beside the model")
-    for lm in loaded[1:]:
-        if not tokenizers_agree(first.tokenizer, lm.tokenizer):
-            raise UsageError(f"{lm.ref} uses another tokenizer than {refs[0]}; --speed runs every model on the "
-                             "same tokens, so they must share a tokenizer")
-    for lm in loaded:
-        mp = _max_positions(lm.config)
-        need = spec.context + (spec.new_tokens if lm.task == "causal-lm" else 0)
-        if mp is not None and need > mp:
-            raise UsageError(f"{lm.ref}: --context {spec.context} + --new-tokens {spec.new_tokens} exceeds the "
-                             f"model's {mp} positions; lower --context")
-    ids = speed_input_ids(first.tokenizer, spec, source, seed)
-    info(f"speed: {len(refs)} model(s), batch {spec.batch} x context {spec.context}, {spec.new_tokens} decode "
-         f"steps, {spec.warmup} warm-up + {spec.repeats} timed runs each, {torch.get_num_threads()} threads")
-    results = measure_models([(lm.ref, lm.model, lm.task == "causal-lm") for lm in loaded], ids, spec,
-                             on_round=lambda r: info(f"  round {r + 1}/{spec.repeats} done"))
-    for lm, res in zip(loaded, results):
-        figures = model_info(lm.model, lm.adapter)
-        res.update(path=lm.path, params=figures["params"], total_heads=figures["total_heads"],
-                   total_kv_heads=figures["total_kv_heads"], dtype=figures["dtype"],
-                   kv_cache_bytes_per_token=figures["kv_cache_bytes_per_token"],
-                   attn_implementation=getattr(lm.config, "_attn_implementation", None))
-    return {
-        "format": FORMAT,
-        "settings": {**asdict(spec), "source": source, "seed": seed, "threads": torch.get_num_threads(),
-                     "device": str(first.device), "torch": torch.__version__,
-                     "order": "interleaved rounds, order rotated each round; median of the timed runs"},
-        "memory_method": MEMORY_METHOD,
-        "results": results,
-    }

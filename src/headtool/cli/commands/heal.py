@@ -81,12 +81,8 @@ def heal(
     Example: headtool heal pruned/ --teacher smollm2-135m --data builtin:pydoc --max-steps 200 -o healed/
     """
     from ...data.sources import DataSpec
-    from ...train.healing import (
-        HealOptions,
-        finish_world,
-        heal_checkpoint,
-        world_from_env,
-    )
+    from ...train.healing import HealOptions, finish_world, world_from_env
+    from ...workflows.heal import HealRequest, run_heal
 
     spec = data_spec or DataSpec()
     opts = HealOptions(train=train, lora_rank=lora_rank, lora_alpha=lora_alpha, temperature=temperature,
@@ -97,9 +93,9 @@ def heal(
                        gradient_checkpointing=gradient_checkpointing, keep_best=keep_best)
     world = world_from_env()
     try:
-        doc = heal_checkpoint(student, teacher, output, data=spec, opts=opts, eval_data=eval_data,
-                              eval_samples=eval_samples, load_kwargs=load.kwargs(), overwrite=overwrite,
-                              resume=resume, keep_state=keep_state)
+        doc = run_heal(HealRequest(student, teacher, output, opts=opts, data=spec, eval_data=eval_data,
+                                   eval_samples=eval_samples, load=load, overwrite=overwrite, resume=resume,
+                                   keep_state=keep_state))
     finally:
         finish_world(world)
     if not world.main:

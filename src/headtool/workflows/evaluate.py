@@ -1,0 +1,133 @@
+"""`headtool eval`: loss / perplexity (or accuracy) of models side by side, or with --speed their
+inference speed and memory, always on exactly the same tokens."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..console import info
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
+from ..errors import UsageError
+from ..measure.evaluation import (
+    evaluate,
+    hidden_agreement,
+    hidden_states,
+    tokenizers_agree,
+)
+from ..measure.objectives import DATA_TASK, resolve_objective
+from ..measure.speed import (
+    FORMAT,
+    MEMORY_METHOD,
+    SpeedSpec,
+    max_positions,
+    measure_models,
+    speed_input_ids,
+)
+from ..model.info import model_info
+from ..model.loading import load_model
+from ..model.placement import LoadOptions
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """Models to compare (deltas are against the first) and the data they are compared on."""
+
+    models: tuple[str, ...]
+    objective: str = "auto"
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+
+@dataclass(frozen=True)
+class SpeedRequest:
+    """Models to time, interleaved on the same real-text tokens from `source`."""
+
+    models: tuple[str, ...]
+    speed: SpeedSpec = field(default_factory=SpeedSpec)
+    source: str = "builtin:pydoc"
+    seed: int = 0
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+
+def run_eval(req: EvalRequest) -> dict[str, Any]:
+    """Evaluate every model on the batches built once with the first model's tokenizer.
+
+    Models are loaded one at a time so that only one is in memory.
+    """
+    refs, spec, objective, load_kwargs = req.models, req.data, req.objective, req.load.kwargs()
+    if not refs:
+        raise UsageError("eval needs at least one MODEL")
+    results: list[dict[str, Any]] = []
+    batches = None
+    first_tok = None
+    reference: list[torch.Tensor] | None = None
+    resolved = objective
+    for ref in refs:
+        lm = load_model(ref, **load_kwargs)
+        if batches is None:
+            resolved = resolve_objective(objective, lm.task, spec.label_column)
+            if lm.tokenizer is None:
+                raise UsageError(f"{ref}: no tokenizer files beside the model")
+            first_tok = lm.tokenizer
+            batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved])
+        elif not tokenizers_agree(first_tok, lm.tokenizer):
+            raise UsageError(f"{ref} uses another tokenizer than {refs[0]}; eval compares models on the "
+                             "same token batches, so they must share a tokenizer")
+        else:
+            resolve_objective(resolved, lm.task, spec.label_column)
+        if resolved == "kl":  # headless: how far each model's hidden states are from the first's
+            if reference is None:
+                reference = hidden_states(lm.model, batches.batches)
+            res = hidden_agreement(lm.model, batches.batches, reference, label=f"eval {ref}")
+        else:
+            res = evaluate(lm.model, batches.batches, resolved, label=f"eval {ref}")
+        figures = model_info(lm.model, lm.adapter)
+        results.append({"model": ref, "path": lm.path, **res, "params": figures["params"],
+                        "total_heads": figures["total_heads"], "total_kv_heads": figures["total_kv_heads"],
+                        "kv_cache_bytes_per_token": figures["kv_cache_bytes_per_token"]})
+        del lm
+    return {"objective": resolved, "data": batches.info, "results": results}
+
+
+def run_speed(req: SpeedRequest) -> dict[str, Any]:
+    """Load every model, measure them interleaved on the same tokens; a `headtool.speed/1` document."""
+    refs, spec, load_kwargs, source, seed = req.models, req.speed, req.load.kwargs(), req.source, req.seed
+    spec.check()
+    if not refs:
+        raise UsageError("eval --speed needs at least one MODEL")
+    loaded = [load_model(r, **load_kwargs) for r in refs]
+    first = loaded[0]
+    if first.tokenizer is None:
+        raise UsageError(f"{refs[0]}: no tokenizer files beside the model")
+    for lm in loaded[1:]:
+        if not tokenizers_agree(first.tokenizer, lm.tokenizer):
+            raise UsageError(f"{lm.ref} uses another tokenizer than {refs[0]}; --speed runs every model on the "
+                             "same tokens, so they must share a tokenizer")
+    for lm in loaded:
+        mp = max_positions(lm.config)
+        need = spec.context + (spec.new_tokens if lm.task == "causal-lm" else 0)
+        if mp is not None and need > mp:
+            raise UsageError(f"{lm.ref}: --context {spec.context} + --new-tokens {spec.new_tokens} exceeds the "
+                             f"model's {mp} positions; lower --context")
+    ids = speed_input_ids(first.tokenizer, spec, source, seed)
+    info(f"speed: {len(refs)} model(s), batch {spec.batch} x context {spec.context}, {spec.new_tokens} decode "
+         f"steps, {spec.warmup} warm-up + {spec.repeats} timed runs each, {torch.get_num_threads()} threads")
+    results = measure_models([(lm.ref, lm.model, lm.task == "causal-lm") for lm in loaded], ids, spec,
+                             on_round=lambda r: info(f"  round {r + 1}/{spec.repeats} done"))
+    for lm, res in zip(loaded, results):
+        figures = model_info(lm.model, lm.adapter)
+        res.update(path=lm.path, params=figures["params"], total_heads=figures["total_heads"],
+                   total_kv_heads=figures["total_kv_heads"], dtype=figures["dtype"],
+                   kv_cache_bytes_per_token=figures["kv_cache_bytes_per_token"],
+                   attn_implementation=getattr(lm.config, "_attn_implementation", None))
+    return {
+        "format": FORMAT,
+        "settings": {**asdict(spec), "source": source, "seed": seed, "threads": torch.get_num_threads(),
+                     "device": str(first.device), "torch": torch.__version__,
+                     "order": "interleaved rounds, order rotated each round; median of the timed runs"},
+        "memory_method": MEMORY_METHOD,
+        "results": results,
+    }

@@ -1,0 +1,186 @@
+"""`headtool heal`: distil the original model back into a pruned or converted one and write it
+in the student's own format (the training loop itself is `train.healing`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
+from ..errors import UsageError
+from ..io.output import check_output_target, write_output
+from ..measure.evaluation import tokenizers_agree
+from ..model.loading import load_model
+from ..model.placement import LoadOptions, require_resident_weights
+from ..model.refs import resolve_ref
+from ..train.healing import (
+    STATE_FILE,
+    HealOptions,
+    World,
+    barrier,
+    heal_model,
+    memory_figures,
+    state_folder,
+    world_from_env,
+)
+
+
+@dataclass(frozen=True)
+class HealRequest:
+    """STUDENT healed towards TEACHER on `data`, written to `output`.
+
+    eval_data: None (held-out blocks of `data`, which training skips), a source string or a DataSpec.
+    The training state goes to OUTPUT.heal-state/ and is removed after OUTPUT is written (unless
+    keep_state).
+    """
+
+    student: str
+    teacher: str
+    output: str | os.PathLike
+    opts: HealOptions = field(default_factory=HealOptions)
+    data: DataSpec = field(default_factory=DataSpec)
+    eval_data: str | DataSpec | None = None
+    eval_samples: int = 16
+    load: LoadOptions = field(default_factory=LoadOptions)
+    overwrite: bool = False
+    resume: bool = False
+    keep_state: bool = False
+
+
+OBJECTIVE_OF_TASK = {"causal-lm": "lm", "masked-lm": "mlm"}
+
+
+
+DATA_TASK_OF_TASK = {"causal-lm": "lm", "masked-lm": "mlm"}
+
+
+
+def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: World):
+    """(training spec, held-out spec): --eval-data (a source or a DataSpec), else the first
+    `eval_samples` blocks of --data, which training then skips (the block order is prefix-stable,
+    so the two never overlap)."""
+    if eval_data is not None and not isinstance(eval_data, str):  # a DataSpec (recipes)
+        held = eval_data
+        if held.max_samples is None and held.num_tokens is None:
+            held = replace(held, max_samples=eval_samples)
+        train = data
+    elif eval_data:
+        held = replace(data, source=eval_data, split=None, text_column=None, label_column=None,
+                       max_samples=eval_samples, num_tokens=None, skip_samples=0)
+        train = data
+    else:
+        held = replace(data, max_samples=eval_samples, num_tokens=None)
+        train = replace(data, skip_samples=data.skip_samples + eval_samples)
+    if opts.max_steps and train.max_samples is None and train.num_tokens is None:
+        # tokenize no more than the run reads (the same blocks either way: selection is prefix-stable)
+        train = replace(train, max_samples=opts.max_steps * opts.grad_accum * world.size * train.batch_size)
+    return train, held
+
+
+
+def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None] | None = None
+             ) -> dict[str, Any]:
+    """Load STUDENT and TEACHER, heal, and write OUT in the student's own format; returns the result.
+
+    data: the training DataSpec; eval_data: None (held-out blocks of `data`), a source string or a
+    DataSpec. The training state goes to OUT.heal-state/ every `save_every` steps and is removed after OUT
+    is written (unless keep_state). Safe to call from every rank of a torchrun job.
+    """
+    student_ref, teacher_ref, out, opts = req.student, req.teacher, req.output, req.opts
+    data, eval_data, eval_samples = req.data, req.eval_data, req.eval_samples
+    overwrite, resume, keep_state = req.overwrite, req.resume, req.keep_state
+    opts.validate()
+    if eval_samples < 1:
+        raise UsageError(f"--eval-samples must be at least 1 (got {eval_samples})")
+    world = world_from_env()
+    load_kwargs = req.load.kwargs()
+    state_dir = state_folder(out)
+    student_path, _ = resolve_ref(student_ref)
+    check_output_target(out, student_path, overwrite)
+    if resume and not (state_dir / STATE_FILE).exists():
+        raise UsageError(f"--resume: no training state in {state_dir} (run without --resume to start)")
+    if state_dir.exists() and not resume:
+        if not overwrite:
+            raise UsageError(f"{state_dir} holds the training state of an earlier, unfinished run; pass --resume "
+                             "to continue it or --overwrite to start over")
+        if world.main:
+            shutil.rmtree(state_dir)
+    if world.size > 1 and torch.cuda.is_available() and load_kwargs.get("device", "auto") in ("auto", "cuda"):
+        load_kwargs["device"] = f"cuda:{world.local_rank}"
+
+    student = load_model(student_ref, **load_kwargs)
+    require_resident_weights(student.model, "heal", "the student is trained in place, so it must fit in memory "
+                             "without offload (drop --max-memory or raise its caps)")
+    teacher = load_model(teacher_ref, **load_kwargs)
+    tok = student.tokenizer or teacher.tokenizer
+    if tok is None:
+        raise UsageError(f"{student_ref}: no tokenizer files beside the model (nor beside the teacher)")
+    if not tokenizers_agree(student.tokenizer, teacher.tokenizer):
+        raise UsageError(f"{student_ref} and {teacher_ref} use different tokenizers; heal distils on the same "
+                         "tokens, so the student must keep the teacher's tokenizer")
+    if (student.task == "base") != (teacher.task == "base"):
+        raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
+                         "the same head (or both headless)")
+    objective = OBJECTIVE_OF_TASK.get(student.task)
+    train_spec, held_spec = _data_specs(data, eval_data, eval_samples, opts, world)
+    data_task = DATA_TASK_OF_TASK.get(student.task, "plain")
+    train = make_batches(train_spec, tok, data_task)
+    held = make_batches(held_spec, tok, data_task)
+    out_dtype = next(student.model.parameters()).dtype
+    student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
+    identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,
+                "train_data": train.info.get("fingerprint"), "eval_data": held.info.get("fingerprint")}
+    result = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, opts,
+                        objective=objective, state_dir=state_dir, resume=resume, identity=identity,
+                        callback=callback, world=world)
+    doc: dict[str, Any] = {
+        "format": "headtool.heal/1",
+        "student": {"ref": student_ref, "path": student.path, "fingerprint": student.fingerprint,
+                    "task": student.task},
+        "teacher": {"ref": teacher_ref, "path": teacher.path, "fingerprint": teacher.fingerprint},
+        "objective": objective or "hidden",
+        "options": {**asdict(opts), "learning_rate": opts.learning_rate, "eval_samples": eval_samples},
+        "data": train.info, "eval_data": held.info,
+        **result.to_json(),
+        "memory": memory_figures(student.model, teacher.model, result.trainable_params, opts),
+    }
+    if world.main:
+        student.model.to(out_dtype)
+        meta = {k: v for k, v in doc.items() if k not in ("format", "train_losses", "distill_losses")}
+        meta["operation"] = "heal"
+        meta["heal_format"] = doc["format"]
+        prior = Path(student.path) / "headtool.json"
+        if prior.is_file():
+            try:
+                meta["healed_from"] = json.loads(prior.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                pass
+        written = write_output(out, model=student.model, tokenizer=tok, source=student, meta=meta,
+                               card_table=card_table(doc), overwrite=overwrite)
+        doc["output"] = written
+        if not keep_state:
+            shutil.rmtree(state_dir, ignore_errors=True)
+    barrier(world)
+    return doc
+
+
+
+def card_table(doc: dict[str, Any]) -> str:
+    """Markdown before/after table for the model card."""
+    before, after = doc.get("before") or {}, doc.get("after") or {}
+    ppl = "perplexity" in before
+    head = "| | held-out distillation loss |" + (" perplexity |" if ppl else "")
+    rows = [head, "|---|---|" + ("---|" if ppl else "")]
+    for name, e in (("before heal", before), (f"after heal (step {doc.get('best_step')})", after)):
+        if e:
+            rows.append(f"| {name} | {e['distill']:.5f} |" + (f" {e['perplexity']:.3f} |" if ppl else ""))
+    rows.append("")
+    rows.append(f"Teacher: `{doc['teacher']['ref']}`; {doc['steps']} steps, {doc['tokens']:,} tokens, "
+                f"--train {doc['options']['train']}.")
+    return "\n".join(rows)
