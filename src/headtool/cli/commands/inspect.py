@@ -1,9 +1,7 @@
 """`headtool inspect`: per-head attention statistics and redundancy, as tables, JSON and PNGs."""
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -13,7 +11,6 @@ from ...console import err_console, info, print_json
 from ...errors import UsageError
 from ..options import MODEL_HELP, JsonOpt, LoadOptions, data_options, model_options
 
-DEFAULT_SAMPLES = 16
 PATTERN_TOKENS = 32
 
 # statistic -> (title, number format for the table)
@@ -31,15 +28,6 @@ _GROUP_SHOWN = {
     "within_attention_similarity": "KV group: mean attention similarity of its query heads",
     "within_output_similarity": "KV group: mean output cosine of its query heads",
 }
-
-
-def _spec(data_spec):
-    from ...data.sources import DataSpec
-
-    spec = data_spec or DataSpec()
-    if spec.max_samples is None and spec.num_tokens is None:
-        spec = dataclasses.replace(spec, max_samples=DEFAULT_SAMPLES)
-    return spec
 
 
 def _present(rows: list) -> list[list[float]]:
@@ -124,14 +112,11 @@ def inspect_cmd(
     Eager attention on real batches (default: 16 blocks of builtin:pydoc). Numbers only.
     Example: headtool inspect smollm2-135m --json --plot inspect_png --heads 3:1,5:0
     """
-    from ...data.batches import make_batches
-    from ...measure.inspection import FORMAT, inspect_heads, parse_heads
-    from ...model.info import model_info
-    from ...model.loading import load_model
-    from ...version import __version__
+    from ...data.sources import DataSpec
+    from ...workflows.inspect import InspectRequest, run_inspect
 
-    if top < 0:
-        raise UsageError(f"--top must be 0 or more (got {top})")
+    req = InspectRequest(model, top=top, pattern_heads=heads, data=data_spec or DataSpec(), load=load)
+    req.validate()
     if (heads or text) and plot is None:
         raise UsageError("--heads/--text draw attention patterns and need --plot DIR")
     if plot is not None:
@@ -140,29 +125,12 @@ def inspect_cmd(
         _pyplot()  # fail before the work when matplotlib is missing
         if plot.exists() and not plot.is_dir():
             raise UsageError(f"--plot {plot}: exists and is not a folder")
-    spec = _spec(data_spec)
-    t0 = time.perf_counter()
-    lm = load_model(model, attn_implementation="eager", **load.kwargs())
-    chosen = parse_heads(heads, lm.geometry) if heads else None
-    if lm.tokenizer is None:
-        raise UsageError(f"{model}: no tokenizer files beside the model")
-    task = "classification" if spec.label_column else "plain"
-    batches = make_batches(spec, lm.tokenizer, task)
-    info(f"inspect: {batches.info.get('samples')} samples, {batches.info.get('tokens')} tokens, eager attention")
-    stats = inspect_heads(lm.model, lm.adapter, batches.batches, top=top, label=f"inspect {model}")
-    doc: dict[str, Any] = {
-        "format": FORMAT,
-        "model": {**model_info(lm.model, lm.adapter), "path": lm.path, "fingerprint": lm.fingerprint},
-        "data": batches.info,
-        "attn_implementation": "eager",
-        **stats,
-        "elapsed_s": round(time.perf_counter() - t0, 3),
-        "headtool_version": __version__,
-    }
+    run = run_inspect(req)
+    doc, lm, chosen = run.document, run.loaded, run.pattern_heads
     _render_tables(doc)
     if plot is not None:
         plot.mkdir(parents=True, exist_ok=True)
-        doc["plots"] = _write_plots(plot, doc, lm, batches.batches, chosen, text)
+        doc["plots"] = _write_plots(plot, doc, lm, run.batches, chosen, text)
         info(f"wrote {len(doc['plots'])} PNG files to {plot}")
     if json_out:
         print_json(doc)

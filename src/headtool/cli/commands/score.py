@@ -1,7 +1,6 @@
 """`headtool score`: the importance of every attention head, as a JSON score document."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -51,25 +50,15 @@ def score_cmd(
     Pipe it into prune: headtool score m --data d | headtool prune m --scores - --fraction 0.3 -o out
     """
     from ...console import err_console, info
-    from ...data.batches import make_batches
     from ...data.sources import DataSpec
-    from ...measure.objectives import DATA_TASK, resolve_objective
-    from ...measure.scores_doc import build_document, write_document
-    from ...measure.scoring import (
-        DATA_METHODS,
-        METHODS,
-        check_method,
-        resolve_normalize,
-        score_heads,
-    )
-    from ...model.loading import load_model
+    from ...measure.scores_doc import write_document
+    from ...workflows.score import ScoreRequest, run_score
     from ..render import heatmap_table
 
-    if method not in METHODS:
-        raise UsageError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
-    resolve_normalize(normalize, method)
-    if (fraction is not None or iterative_fraction is not None) and not iterative:
-        raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final fraction)")
+    req = ScoreRequest(model, method=method, objective=objective, normalize=normalize, iterative=iterative,
+                       fraction=fraction, iterative_fraction=iterative_fraction, ablation_batch=ablation_batch,
+                       data=data_spec or DataSpec(), load=load)
+    req.validate()
     if output and output != "-":
         _check_writable(output, "-o")
     if plot:
@@ -77,41 +66,10 @@ def score_cmd(
         from ..plotting import _pyplot
 
         _pyplot()
-    spec = data_spec or DataSpec()
-    from ...distributed import finish, init_from_env, is_main, launched
-
-    lm = load_model(model, **load.kwargs())
-    init_from_env(lm.device)
-    batches = None
-    resolved = None
-    if method in DATA_METHODS:
-        resolved = resolve_objective(objective, lm.task, spec.label_column)
-        if objective == "auto":
-            info(f"objective: {resolved} (auto, for a {lm.task} model)")
-        if check_method(method, resolved) == "fisher" and method == "gradient":
-            info("kl: scoring with the Fisher form (the gradient of a divergence from the model's own "
-                 "outputs is exactly zero at the model)")
-        if lm.tokenizer is None:
-            raise UsageError(f"{model}: no tokenizer files beside the model; scoring needs them to read --data")
-        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved])
-    elif objective != "auto":
-        info(f"--objective is not used by --method {method} (it needs no data)")
-    norm = resolve_normalize(normalize, method)
-    if normalize == "auto":
-        info(f"normalize: {norm} (auto for {method})")
-    result = score_heads(lm.model, lm.adapter, batches.batches if batches else None, method=method,
-                         objective=resolved, normalize=norm, iterative=iterative, fraction=fraction,
-                         iterative_fraction=iterative_fraction, seed=spec.seed, ablation_chunk=ablation_batch,
-                         label=f"score {model}")
-    options = {"seed": spec.seed, "iterative": iterative, "fraction": fraction,
-               "iterative_fraction": iterative_fraction, "dtype": load.dtype, "device": str(lm.device)}
-    if launched():
-        options["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
-        main_rank = is_main()
-        finish()
-        if not main_rank:
-            return  # rank 0 alone writes and prints
-    doc = build_document(lm, result, batches.info if batches else None, options)
+    run = run_score(req)
+    if run.document is None:
+        return  # not rank 0 of a distributed run
+    doc, result, resolved, norm = run.document, run.result, run.objective, run.normalize
     title = (f"head scores: {model} ({result.estimator}" + (f", {resolved}" if resolved else "")
              + (f", normalize {norm}" if norm != "none" else "") + ")")
     err_console().print(heatmap_table(title, doc["scores"], fmt=_fmt_for(doc["scores"])))

@@ -1,0 +1,98 @@
+"""`headtool score`: the importance of every attention head of a model, as a score document."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..console import info
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
+from ..distributed import finish, init_from_env, is_main, launched
+from ..errors import UsageError
+from ..measure.objectives import DATA_TASK, resolve_objective
+from ..measure.scores_doc import build_document
+from ..measure.scoring import (
+    DATA_METHODS,
+    METHODS,
+    ScoreResult,
+    check_method,
+    resolve_normalize,
+    score_heads,
+)
+from ..model.loading import load_model
+from ..model.placement import LoadOptions
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What to score and how; `data` is used by the data-driven methods only."""
+
+    model: str
+    method: str = "gradient"
+    objective: str = "auto"
+    normalize: str = "auto"
+    iterative: int = 0
+    fraction: float | None = None
+    iterative_fraction: float | None = None
+    ablation_batch: int | None = None
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+    def validate(self) -> None:
+        """Problems visible before any model is loaded."""
+        if self.method not in METHODS:
+            raise UsageError(f"unknown --method {self.method!r}; use one of {', '.join(METHODS)}")
+        resolve_normalize(self.normalize, self.method)
+        if (self.fraction is not None or self.iterative_fraction is not None) and not self.iterative:
+            raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final "
+                             "fraction)")
+
+
+@dataclass
+class ScoreRun:
+    """A finished scoring: the document (None on the ranks of a distributed run other than 0)."""
+
+    document: dict[str, Any] | None
+    result: ScoreResult
+    objective: str | None
+    normalize: str
+
+
+def run_score(req: ScoreRequest) -> ScoreRun:
+    """Load, score (data-parallel when launched by torchrun/accelerate) and build the document."""
+    req.validate()
+    spec = req.data
+    lm = load_model(req.model, **req.load.kwargs())
+    init_from_env(lm.device)
+    batches = None
+    resolved = None
+    if req.method in DATA_METHODS:
+        resolved = resolve_objective(req.objective, lm.task, spec.label_column)
+        if req.objective == "auto":
+            info(f"objective: {resolved} (auto, for a {lm.task} model)")
+        if check_method(req.method, resolved) == "fisher" and req.method == "gradient":
+            info("kl: scoring with the Fisher form (the gradient of a divergence from the model's own "
+                 "outputs is exactly zero at the model)")
+        if lm.tokenizer is None:
+            raise UsageError(f"{req.model}: no tokenizer files beside the model; scoring needs them to read --data")
+        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved])
+    elif req.objective != "auto":
+        info(f"--objective is not used by --method {req.method} (it needs no data)")
+    norm = resolve_normalize(req.normalize, req.method)
+    if req.normalize == "auto":
+        info(f"normalize: {norm} (auto for {req.method})")
+    result = score_heads(lm.model, lm.adapter, batches.batches if batches else None, method=req.method,
+                         objective=resolved, normalize=norm, iterative=req.iterative, fraction=req.fraction,
+                         iterative_fraction=req.iterative_fraction, seed=spec.seed,
+                         ablation_chunk=req.ablation_batch, label=f"score {req.model}")
+    options = {"seed": spec.seed, "iterative": req.iterative, "fraction": req.fraction,
+               "iterative_fraction": req.iterative_fraction, "dtype": req.load.dtype, "device": str(lm.device)}
+    if launched():
+        options["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        main_rank = is_main()
+        finish()
+        if not main_rank:
+            return ScoreRun(None, result, resolved, norm)  # rank 0 alone writes and prints
+    doc = build_document(lm, result, batches.info if batches else None, options)
+    return ScoreRun(doc, result, resolved, norm)
