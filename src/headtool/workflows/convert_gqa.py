@@ -1,0 +1,195 @@
+"""`headtool convert-gqa`: merge K/V heads into N groups (MHA to GQA, GQA to fewer groups, to MQA)
+and write a standard checkpoint; with several merge methods, the best on held-out data is written."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..console import info
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
+from ..errors import UsageError
+from ..io.output import check_output_target, write_output
+from ..measure.calibration import attention_input_grams
+from ..measure.evaluation import evaluate
+from ..measure.objectives import DATA_TASK, resolve_objective
+from ..model.loading import load_model
+from ..model.placement import (
+    LoadOptions,
+    require_resident_weights,
+    sequential_placement,
+)
+from ..surgery.merging import (
+    CONVERT_INSTEAD,
+    DATA_METHODS,
+    GROUPINGS,
+    METHODS,
+    check_target,
+    convert_model,
+    summary_figures,
+)
+
+DEFAULT_CALIBRATION_SAMPLES = 64
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    """convert-gqa's options and defaults. `merge` is one method or a comma list to compare;
+    `refit` None means on for fit; `heldout_samples` None means a quarter of the calibration."""
+
+    model: str
+    kv_heads: int
+    output: str | None = None
+    grouping: str = "contiguous"
+    merge: str = "fit"
+    refit: bool | None = None
+    damping: float = 1e-2
+    heldout_samples: int | None = None
+    eval_data: str | None = None
+    eval_samples: int = 32
+    overwrite: bool = False
+    shard_size: str = "5GB"
+    streaming: bool = False
+    sequential: bool = False
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+
+@dataclass
+class ConvertRun:
+    """The summary of an in-memory conversion, or what a streamed one wrote."""
+
+    summary: dict[str, Any] | None
+    streamed: dict[str, Any] | None
+
+
+def _methods(merge: str) -> list[str]:
+    methods = [m.strip() for m in merge.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if not methods or bad:
+        raise UsageError(f"--merge {merge!r}: use one or more of {', '.join(METHODS)} separated by commas")
+    return list(dict.fromkeys(methods))
+
+
+def card_table(summary: dict[str, Any]) -> str:
+    b, a = summary["before"], summary["after"]
+    lines = ["| | before | after |", "| --- | --- | --- |",
+             f"| KV heads per layer | {b['num_kv_heads']} | {a['num_kv_heads']} |",
+             f"| query heads per layer | {b['num_heads']} | {a['num_heads']} |",
+             f"| parameters | {b['params']:,} | {a['params']:,} |",
+             f"| KV cache bytes per token | {b['kv_cache_bytes_per_token']:,} | {a['kv_cache_bytes_per_token']:,} |"]
+    if summary.get("eval_before"):
+        lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | "
+                     f"{next(r for r in summary['results'] if r['method'] == summary['chosen'])['eval']['loss']:.4f} |")
+    lines += ["", f"Merge: `{summary['chosen']}`, grouping `{summary['grouping']}`."]
+    return "\n".join(lines)
+
+
+def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
+    """Check, load, calibrate, merge with every requested method, keep the best, write it."""
+    model, kv_heads, output, grouping, merge = req.model, req.kv_heads, req.output, req.grouping, req.merge
+    refit, damping, heldout_samples, eval_data = req.refit, req.damping, req.heldout_samples, req.eval_data
+    eval_samples, overwrite, shard_size, streaming = req.eval_samples, req.overwrite, req.shard_size, req.streaming
+    load, data_spec = req.load, req.data
+    methods = _methods(merge)
+    if grouping not in GROUPINGS:
+        raise UsageError(f"--grouping {grouping!r}: use {' or '.join(GROUPINGS)}")
+    if damping < 0:
+        raise UsageError(f"--damping must be >= 0 (got {damping})")
+    if output is None:
+        raise UsageError("convert-gqa needs -o OUT (the output folder)")
+    if streaming:
+        if methods != ["mean"] or grouping != "contiguous" or refit or eval_data:
+            raise UsageError("--streaming needs no forward pass: use --merge mean --grouping contiguous, "
+                             "without --refit or --eval-data")
+        from ..surgery.streaming import open_checkpoint, stream_convert_mean
+
+        ck = open_checkpoint(model, load.trust_remote_code)
+        check_target(ck.adapter, ck.geometry, kv_heads)
+        meta = {"operation": "convert-gqa", "method": "mean", "streaming": True,
+                "num_kv_heads": [kv_heads] * len(ck.geometry),
+                "options": {"kv_heads": kv_heads, "grouping": grouping, "merge": methods}}
+        written = stream_convert_mean(ck, kv_heads, output, meta=meta, overwrite=overwrite, shard_size=shard_size)
+        return ConvertRun(summary=None, streamed=written)
+    load, calib_device = sequential_placement(load, req.sequential)
+    lm = load_model(model, **load.kwargs())
+    require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
+    check_target(lm.adapter, lm.geometry, kv_heads)
+    check_output_target(output, lm.path, overwrite)
+    needs_data = grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(refit)
+    spec = data_spec or DataSpec()
+    if spec.max_samples is None and spec.num_tokens is None:
+        spec = dataclasses.replace(spec, max_samples=DEFAULT_CALIBRATION_SAMPLES)
+    objective = resolve_objective("auto", lm.task)
+    data_task = DATA_TASK[objective]
+    cal = held = grams = None
+    used = 0
+    if needs_data:
+        cal = make_batches(spec, lm.tokenizer, data_task)
+        n_held = heldout_samples if heldout_samples is not None else max(4, cal.info["samples"] // 4)
+        used = cal.info["samples"]
+        if n_held > 0:
+            held = make_batches(dataclasses.replace(spec, max_samples=n_held, num_tokens=None,
+                                                    skip_samples=used), lm.tokenizer, data_task)
+            used += held.info["samples"]
+        info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
+             + (f" ({held.info['samples']} more held out)" if held else ""))
+        grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
+    ev = None
+    if eval_data:
+        same = eval_data == spec.source
+        ev_spec = DataSpec(source=eval_data, seq_len=spec.seq_len, batch_size=spec.batch_size,
+                           max_samples=eval_samples, seed=spec.seed, skip_samples=used if same else 0)
+        ev = make_batches(ev_spec, lm.tokenizer, data_task)
+    eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
+
+    before = summary_figures(lm.model, lm.adapter)
+    results: list[dict[str, Any]] = []
+    best = best_key = None
+    for method in methods:
+        do_refit = (method == "fit") if refit is None else refit
+        info(f"merging: {method}" + (" + sequential output-projection refit" if do_refit and cal else ""))
+        conv = convert_model(lm.model, lm.adapter, kv_heads, method=method, grouping=grouping, grams=grams,
+                             refit=do_refit and cal is not None, batches=cal.batches if cal else None,
+                             heldout_batches=held.batches if held else None, damping=damping,
+                             calib_device=calib_device)
+        row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
+        if held:
+            row["heldout_loss"] = evaluate(conv.model, held.batches, objective, label=f"held-out {method}")["loss"]
+        if ev:
+            row["eval"] = evaluate(conv.model, ev.batches, objective, label=f"eval {method}")
+        key = row["eval"]["loss"] if ev else row.get("heldout_loss", 0.0)
+        results.append(row)
+        if best is None or key < best_key:
+            best, best_key = conv, key
+        del conv
+    after = summary_figures(best.model, lm.adapter)
+    geo_before = lm.geometry
+    summary: dict[str, Any] = {
+        "model": model, "output": output, "kv_heads": kv_heads, "grouping": grouping, "merge": methods,
+        "chosen": best.method, "damping": damping,
+        "num_kv_heads_before": [g.num_kv_heads for g in geo_before],
+        "num_kv_heads_after": [p.new_geo.num_kv_heads for p in best.plans],
+        "before": before, "after": after,
+        "kv_cache_reduction": before["kv_cache_bytes_per_token"] / max(after["kv_cache_bytes_per_token"], 1),
+        "eval_before": eval_before, "results": results,
+        "calibration_data": cal.info if cal else None, "heldout_data": held.info if held else None,
+        "eval_data": ev.info if ev else None,
+    }
+    meta = {
+        "operation": "convert-gqa",
+        "kept_heads": [p.order for p in best.plans],
+        "num_kv_heads": summary["num_kv_heads_after"],
+        "kv_groups": [[list(g) for g in p.groups] for p in best.plans],
+        "method": best.method,
+        "options": {"kv_heads": kv_heads, "grouping": grouping, "merge": methods, "refit": refit,
+                    "damping": damping},
+        "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
+                                             "calibration_data", "heldout_data", "eval_data")},
+    }
+    written = write_output(output, model=best.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
+                           card_table=card_table(summary), overwrite=overwrite, shard_size=shard_size)
+    summary["config_kind"] = written["config_kind"]
+    summary["path"] = written["path"]
+    return ConvertRun(summary=summary, streamed=None)

@@ -1,0 +1,219 @@
+"""`headtool prune`: remove attention heads physically (chosen from scores, scored now on --data,
+or listed) and write a checkpoint that reloads; optionally refit the output projections."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..console import info
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
+from ..errors import UsageError
+from ..io.output import check_output_target, output_kind, write_output
+from ..io.sizes import parse_size
+from ..measure.objectives import DATA_TASK, resolve_objective
+from ..measure.scores_doc import read_scores
+from ..measure.scoring import DATA_METHODS, score_heads
+from ..model.loading import load_model
+from ..model.placement import (
+    LoadOptions,
+    require_resident_weights,
+    sequential_placement,
+)
+from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, prune
+from ..surgery.selection import (
+    Target,
+    check_target,
+    parse_heads,
+    select_heads,
+    selection_from_removed,
+)
+from ..surgery.streaming import prune_checkpoint_streaming
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """prune's options and defaults. Heads come from `scores` (a document or '-'), `heads` (an
+    explicit list) or, with `data` and neither, from scoring now with `method`."""
+
+    model: str
+    output: str | None = None
+    scores: str | None = None
+    heads: str | None = None
+    method: str = "gradient"
+    objective: str = "auto"
+    fraction: float | None = None
+    num_heads: int | None = None
+    threshold: float | None = None
+    scope: str = "global"
+    min_heads: int = 1
+    unit: str = "query"
+    compensate: bool = False
+    choose_in_layer: str = "auto"
+    refit_layers: str = "pruned"
+    damping: float = 1e-2
+    heldout_samples: int = 0
+    eval_data: str | None = None
+    eval_samples: int = 32
+    dry_run: bool = False
+    overwrite: bool = False
+    shard_size: str = "5GB"
+    streaming: bool = False
+    sequential: bool = False
+    data: DataSpec | None = None
+    load: LoadOptions = field(default_factory=LoadOptions)
+
+
+@dataclass
+class PruneRun:
+    """An in-memory prune (its result, what was written and the `--json` report), or what a
+    streamed one wrote."""
+
+    result: PruneResult | None = None
+    config_kind: str | None = None
+    eval_info: dict | None = None
+    written: dict | None = None
+    report: dict[str, Any] | None = None
+    streamed: dict | None = None
+
+
+def run_prune(req: PruneRequest) -> PruneRun:
+    """Check, load, choose the heads, prune (and refit), write; nothing is written on --dry-run."""
+    model, output, scores, heads, method, objective = (req.model, req.output, req.scores, req.heads, req.method,
+                                                        req.objective)
+    fraction, num_heads, threshold, scope, min_heads, unit = (req.fraction, req.num_heads, req.threshold,
+                                                              req.scope, req.min_heads, req.unit)
+    compensate, choose_in_layer, refit_layers, damping = (req.compensate, req.choose_in_layer, req.refit_layers,
+                                                          req.damping)
+    heldout_samples, eval_data, eval_samples, dry_run = (req.heldout_samples, req.eval_data, req.eval_samples,
+                                                         req.dry_run)
+    overwrite, shard_size, streaming, load, data_spec = (req.overwrite, req.shard_size, req.streaming, req.load,
+                                                         req.data)
+    given = [n for n, v in (("--scores", scores), ("--heads", heads)) if v is not None]
+    if len(given) > 1:
+        raise UsageError("give either --scores or --heads, not both")
+    if not given and data_spec is None:
+        raise UsageError("say which heads to remove: --scores FILE|-, --heads LIST, or --data D to score now")
+    if heads is not None and any(v is not None for v in (fraction, num_heads, threshold)):
+        raise UsageError("--heads lists the heads to remove; it takes no --fraction/--num-heads/--threshold")
+    if compensate and data_spec is None:
+        raise UsageError("--compensate needs calibration data: pass --data")
+    if not dry_run and not output:
+        raise UsageError("give an output folder with -o OUT (or --dry-run)")
+    parse_size(shard_size)
+    if streaming:
+        if not given or compensate or eval_data or dry_run:
+            raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
+                             "--compensate, --eval-data or --dry-run")
+        target = None if heads is not None else Target(fraction=fraction, num_heads=num_heads, threshold=threshold,
+                                                       scope=scope, min_heads_per_layer=min_heads, unit=unit)
+        written = prune_checkpoint_streaming(model, output, scores=scores, heads=heads, target=target,
+                                             min_heads=min_heads, overwrite=overwrite, shard_size=shard_size,
+                                             trust_remote_code=load.trust_remote_code)
+        return PruneRun(streamed=written)
+    load, calib_device = sequential_placement(load, req.sequential)
+    lm = load_model(model, **load.kwargs())
+    if not dry_run:
+        require_resident_weights(lm.model, "prune", PRUNE_INSTEAD)
+    lm.fingerprint  # of the input, before anything changes (headtool.json records it)
+    if not dry_run:
+        check_output_target(output, lm.path, overwrite)
+    geometry = lm.geometry
+    target = None
+    if heads is not None:
+        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
+    else:
+        target = Target(fraction=fraction, num_heads=num_heads, threshold=threshold, scope=scope,
+                        min_heads_per_layer=min_heads, unit=unit)
+        check_target(target, geometry)
+    needs_tokens = data_spec is not None or eval_data is not None
+    if needs_tokens and lm.tokenizer is None:
+        raise UsageError(f"{model}: no tokenizer files beside the model; --data / --eval-data need them")
+    score_info: dict = {}
+    if target is not None:
+        matrix, score_info = _scores(lm, scores, data_spec, method, objective)
+        selection = select_heads(matrix, geometry, target)
+    calib, heldout, eval_batches, eval_objective, eval_info = _data(lm, data_spec, compensate, heldout_samples,
+                                                                    eval_data, eval_samples, objective)
+    result = prune(lm, selection, unit=unit, calib_batches=calib, heldout_batches=heldout, compensate=compensate,
+                   choose_in_layer=choose_in_layer, refit_layers=refit_layers, damping=damping,
+                   eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
+    kind = output_kind(lm.model)
+    summary = result.summary()
+    options = {"target": target.describe() if target else None, "heads": heads, "compensate": compensate,
+               "choose_in_layer": result.choice, "refit_layers": refit_layers if compensate else None,
+               "damping": damping if compensate else None, "heldout_samples": heldout_samples,
+               "calibration_data": (calib_info(lm, data_spec) if compensate else None), "dtype": load.dtype}
+    meta = {"operation": "prune", "method": score_info.get("method", "explicit" if heads else None),
+            "scores": score_info or None, "options": options,
+            "kept_heads": [list(k) for k in result.selection.kept],
+            "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
+            "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary}
+    written = None
+    if not dry_run:
+        written = write_output(output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
+                               card_table=markdown_table(result, kind), overwrite=overwrite, shard_size=shard_size)
+        kind = written["config_kind"]
+    report = {"model": model, "output": written, "dry_run": dry_run, "config_kind": kind,
+              "source": {"path": lm.path, "fingerprint": lm.fingerprint},
+              **{k: v for k, v in meta.items() if k not in ("summary",)}, **summary,
+              "eval_data": eval_info}
+    return PruneRun(result=result, config_kind=kind, eval_info=eval_info, written=written, report=report)
+
+
+def calib_info(lm, spec) -> dict | None:
+    return {"source": spec.source, "max_samples": spec.max_samples, "seq_len": spec.seq_len, "seed": spec.seed} \
+        if spec else None
+
+
+def _scores(lm, scores: str | None, spec, method: str, objective: str) -> tuple[list[list[float]], dict]:
+    """The score matrix (from a document, or by scoring now on --data) and where it came from."""
+    if scores is not None:
+        doc = read_scores(scores, lm)
+        return doc["scores"], {"from": scores, "method": doc.get("method"), "objective": doc.get("objective"),
+                               "normalize": doc.get("normalize"), "data": doc.get("data")}
+    resolved = None
+    batches = None
+    if method in DATA_METHODS:
+        resolved = resolve_objective(objective, lm.task, spec.label_column)
+        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved]).batches
+    result = score_heads(lm.model, lm.adapter, batches, method=method, objective=resolved, seed=spec.seed,
+                         label="score")
+    info(f"scored with {result.estimator}" + (f" ({resolved})" if resolved else ""))
+    return result.scores, {"from": "data", "method": method, "estimator": result.estimator, "objective": resolved,
+                           "normalize": result.normalize, "data": calib_info(lm, spec)}
+
+
+def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | None, eval_samples: int,
+          objective: str):
+    """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others)."""
+    calib = heldout = eval_batches = None
+    eval_objective = eval_info = None
+    used = 0
+    if compensate:
+        if spec.max_samples is None and (heldout_samples or eval_data == spec.source):
+            raise UsageError("give --max-samples for the calibration data so that held-out blocks can follow it")
+        calib = make_batches(spec, lm.tokenizer, "plain").batches
+        used = spec.skip_samples + (spec.max_samples or 0)
+        if heldout_samples:
+            heldout = make_batches(replace(spec, skip_samples=used, max_samples=heldout_samples),
+                                   lm.tokenizer, "plain").batches
+            used += heldout_samples
+    elif spec is not None and spec.max_samples is not None:
+        used = spec.skip_samples + spec.max_samples
+    if eval_data is not None:
+        eval_objective = resolve_objective(objective, lm.task, None)
+        if eval_objective == "kl":
+            raise UsageError("--eval-data needs a model with an LM head (there is no loss to report otherwise)")
+        base = spec if spec is not None else DataSpec(source=eval_data)
+        skip = used if (spec is not None and eval_data == spec.source) else 0
+        if spec is not None and eval_data == spec.source and spec.max_samples is None:
+            raise UsageError("--eval-data is the same source as --data: give --max-samples so the evaluation "
+                             "blocks can be held out from it")
+        espec = replace(base, source=eval_data, max_samples=eval_samples, skip_samples=skip, label_column=None)
+        if spec is not None and eval_data != spec.source:  # another source: its own columns and split
+            espec = replace(espec, split=None, text_column=None)
+        eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective])
+        eval_batches = eb.batches
+        eval_info = {**eb.info, "skip_samples": skip}
+    return calib, heldout, eval_batches, eval_objective, eval_info
