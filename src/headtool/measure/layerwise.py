@@ -101,7 +101,7 @@ def record_inputs(model: nn.Module, adapter: Adapter, batches: Sequence[dict],
             return h if kinds[cls] is None else (h,) + (None,) * (kinds[cls] - 1)
         return forward
 
-    with _patched_forwards(layers, recorder):
+    with patched_forwards(layers, recorder):
         for batch in batches:
             b = to_device(batch, device)
             current = []
@@ -116,7 +116,7 @@ def record_inputs(model: nn.Module, adapter: Adapter, batches: Sequence[dict],
 
 
 @contextlib.contextmanager
-def _patched_forwards(layers: Sequence[nn.Module], make: Callable[[int, Callable], Callable]) -> Iterator[None]:
+def patched_forwards(layers: Sequence[nn.Module], make: Callable[[int, Callable], Callable]) -> Iterator[None]:
     """Replace each layer's forward (an instance attribute, as accelerate's hooks also do) for a while."""
     saved = []
     try:

@@ -39,6 +39,7 @@ from ..data.batches import to_device
 from ..distributed import combine_means, rank_and_world, shard
 from ..errors import HeadtoolError, UsageError
 from .gates import head_gates
+from .layerwise import patched_forwards
 from .objectives import (
     divergence,
     fisher_sample_losses,
@@ -255,8 +256,6 @@ def _start_at_layer(layers: Sequence[nn.Module], start: int, hidden: torch.Tenso
     Embeddings, masks and position embeddings are still built by the model itself from the
     (repeated) inputs, so this works for every family without knowing its forward.
     """
-    patched = []
-
     def skip(*args, **kwargs):
         return placeholder
 
@@ -265,19 +264,12 @@ def _start_at_layer(layers: Sequence[nn.Module], start: int, hidden: torch.Tenso
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
 
-    for layer in layers[:start]:
-        patched.append((layer, layer.__dict__.get("forward")))
-        layer.forward = skip
-    handle = layers[start].register_forward_pre_hook(replace, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-        for layer, own in patched:
-            if own is None:
-                del layer.forward
-            else:
-                layer.forward = own
+    with patched_forwards(layers[:start], lambda i, real: skip):
+        handle = layers[start].register_forward_pre_hook(replace, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def _gate_dtype(model: nn.Module) -> torch.dtype:

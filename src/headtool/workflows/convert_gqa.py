@@ -88,37 +88,34 @@ def card_table(summary: dict[str, Any]) -> str:
 
 def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     """Check, load, calibrate, merge with every requested method, keep the best, write it."""
-    model, kv_heads, output, grouping, merge = req.model, req.kv_heads, req.output, req.grouping, req.merge
-    refit, damping, heldout_samples, eval_data = req.refit, req.damping, req.heldout_samples, req.eval_data
-    eval_samples, overwrite, shard_size, streaming = req.eval_samples, req.overwrite, req.shard_size, req.streaming
-    load, data_spec = req.load, req.data
-    methods = _methods(merge)
-    if grouping not in GROUPINGS:
-        raise UsageError(f"--grouping {grouping!r}: use {' or '.join(GROUPINGS)}")
-    if damping < 0:
-        raise UsageError(f"--damping must be >= 0 (got {damping})")
-    if output is None:
+    methods = _methods(req.merge)
+    if req.grouping not in GROUPINGS:
+        raise UsageError(f"--grouping {req.grouping!r}: use {' or '.join(GROUPINGS)}")
+    if req.damping < 0:
+        raise UsageError(f"--damping must be >= 0 (got {req.damping})")
+    if req.output is None:
         raise UsageError("convert-gqa needs -o OUT (the output folder)")
-    if streaming:
-        if methods != ["mean"] or grouping != "contiguous" or refit or eval_data:
+    if req.streaming:
+        if methods != ["mean"] or req.grouping != "contiguous" or req.refit or req.eval_data:
             raise UsageError("--streaming needs no forward pass: use --merge mean --grouping contiguous, "
                              "without --refit or --eval-data")
         from ..surgery.streaming import open_checkpoint, stream_convert_mean
 
-        ck = open_checkpoint(model, load.trust_remote_code)
-        check_target(ck.adapter, ck.geometry, kv_heads)
+        ck = open_checkpoint(req.model, req.load.trust_remote_code)
+        check_target(ck.adapter, ck.geometry, req.kv_heads)
         meta = {"operation": "convert-gqa", "method": "mean", "streaming": True,
-                "num_kv_heads": [kv_heads] * len(ck.geometry),
-                "options": {"kv_heads": kv_heads, "grouping": grouping, "merge": methods}}
-        written = stream_convert_mean(ck, kv_heads, output, meta=meta, overwrite=overwrite, shard_size=shard_size)
+                "num_kv_heads": [req.kv_heads] * len(ck.geometry),
+                "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods}}
+        written = stream_convert_mean(ck, req.kv_heads, req.output, meta=meta, overwrite=req.overwrite,
+                                      shard_size=req.shard_size)
         return ConvertRun(summary=None, streamed=written)
-    load, calib_device = sequential_placement(load, req.sequential)
-    lm = load_model(model, **load.kwargs())
+    load, calib_device = sequential_placement(req.load, req.sequential)
+    lm = load_model(req.model, **load.kwargs())
     require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
-    check_target(lm.adapter, lm.geometry, kv_heads)
-    check_output_target(output, lm.path, overwrite)
-    needs_data = grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(refit)
-    spec = data_spec or DataSpec()
+    check_target(lm.adapter, lm.geometry, req.kv_heads)
+    check_output_target(req.output, lm.path, req.overwrite)
+    needs_data = req.grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(req.refit)
+    spec = req.data or DataSpec()
     if spec.max_samples is None and spec.num_tokens is None:
         spec = dataclasses.replace(spec, max_samples=DEFAULT_CALIBRATION_SAMPLES)
     objective = resolve_objective("auto", lm.task)
@@ -127,7 +124,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     used = 0
     if needs_data:
         cal = make_batches(spec, lm.tokenizer, data_task)
-        n_held = heldout_samples if heldout_samples is not None else max(4, cal.info["samples"] // 4)
+        n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
         used = cal.info["samples"]
         if n_held > 0:
             held = make_batches(dataclasses.replace(spec, max_samples=n_held, num_tokens=None,
@@ -137,10 +134,10 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
              + (f" ({held.info['samples']} more held out)" if held else ""))
         grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
     ev = None
-    if eval_data:
-        same = eval_data == spec.source
-        ev_spec = DataSpec(source=eval_data, seq_len=spec.seq_len, batch_size=spec.batch_size,
-                           max_samples=eval_samples, seed=spec.seed, skip_samples=used if same else 0)
+    if req.eval_data:
+        same = req.eval_data == spec.source
+        ev_spec = DataSpec(source=req.eval_data, seq_len=spec.seq_len, batch_size=spec.batch_size,
+                           max_samples=req.eval_samples, seed=spec.seed, skip_samples=used if same else 0)
         ev = make_batches(ev_spec, lm.tokenizer, data_task)
     eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
 
@@ -148,11 +145,11 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     results: list[dict[str, Any]] = []
     best = best_key = None
     for method in methods:
-        do_refit = (method == "fit") if refit is None else refit
+        do_refit = (method == "fit") if req.refit is None else req.refit
         info(f"merging: {method}" + (" + sequential output-projection refit" if do_refit and cal else ""))
-        conv = convert_model(lm.model, lm.adapter, kv_heads, method=method, grouping=grouping, grams=grams,
+        conv = convert_model(lm.model, lm.adapter, req.kv_heads, method=method, grouping=req.grouping, grams=grams,
                              refit=do_refit and cal is not None, batches=cal.batches if cal else None,
-                             heldout_batches=held.batches if held else None, damping=damping,
+                             heldout_batches=held.batches if held else None, damping=req.damping,
                              calib_device=calib_device)
         row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
         if held:
@@ -167,8 +164,8 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     after = summary_figures(best.model, lm.adapter)
     geo_before = lm.geometry
     summary: dict[str, Any] = {
-        "model": model, "output": output, "kv_heads": kv_heads, "grouping": grouping, "merge": methods,
-        "chosen": best.method, "damping": damping,
+        "model": req.model, "output": req.output, "kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods,
+        "chosen": best.method, "damping": req.damping,
         "num_kv_heads_before": [g.num_kv_heads for g in geo_before],
         "num_kv_heads_after": [p.new_geo.num_kv_heads for p in best.plans],
         "before": before, "after": after,
@@ -183,13 +180,13 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
         "num_kv_heads": summary["num_kv_heads_after"],
         "kv_groups": [[list(g) for g in p.groups] for p in best.plans],
         "method": best.method,
-        "options": {"kv_heads": kv_heads, "grouping": grouping, "merge": methods, "refit": refit,
-                    "damping": damping},
+        "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods, "refit": req.refit,
+                    "damping": req.damping},
         "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
                                              "calibration_data", "heldout_data", "eval_data")},
     }
-    written = write_output(output, model=best.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
-                           card_table=card_table(summary), overwrite=overwrite, shard_size=shard_size)
+    written = write_output(req.output, model=best.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
+                           card_table=card_table(summary), overwrite=req.overwrite, shard_size=req.shard_size)
     summary["config_kind"] = written["config_kind"]
     summary["path"] = written["path"]
     return ConvertRun(summary=summary, streamed=None)

@@ -79,86 +79,80 @@ class PruneRun:
 
 def run_prune(req: PruneRequest) -> PruneRun:
     """Check, load, choose the heads, prune (and refit), write; nothing is written on --dry-run."""
-    model, output, scores, heads, method, objective = (req.model, req.output, req.scores, req.heads, req.method,
-                                                        req.objective)
-    fraction, num_heads, threshold, scope, min_heads, unit = (req.fraction, req.num_heads, req.threshold,
-                                                              req.scope, req.min_heads, req.unit)
-    compensate, choose_in_layer, refit_layers, damping = (req.compensate, req.choose_in_layer, req.refit_layers,
-                                                          req.damping)
-    heldout_samples, eval_data, eval_samples, dry_run = (req.heldout_samples, req.eval_data, req.eval_samples,
-                                                         req.dry_run)
-    overwrite, shard_size, streaming, load, data_spec = (req.overwrite, req.shard_size, req.streaming, req.load,
-                                                         req.data)
-    given = [n for n, v in (("--scores", scores), ("--heads", heads)) if v is not None]
+    given = [n for n, v in (("--scores", req.scores), ("--heads", req.heads)) if v is not None]
     if len(given) > 1:
         raise UsageError("give either --scores or --heads, not both")
-    if not given and data_spec is None:
+    if not given and req.data is None:
         raise UsageError("say which heads to remove: --scores FILE|-, --heads LIST, or --data D to score now")
-    if heads is not None and any(v is not None for v in (fraction, num_heads, threshold)):
+    if req.heads is not None and any(v is not None for v in (req.fraction, req.num_heads, req.threshold)):
         raise UsageError("--heads lists the heads to remove; it takes no --fraction/--num-heads/--threshold")
-    if compensate and data_spec is None:
+    if req.compensate and req.data is None:
         raise UsageError("--compensate needs calibration data: pass --data")
-    if not dry_run and not output:
+    if not req.dry_run and not req.output:
         raise UsageError("give an output folder with -o OUT (or --dry-run)")
-    parse_size(shard_size)
-    if streaming:
-        if not given or compensate or eval_data or dry_run:
+    parse_size(req.shard_size)
+    if req.streaming:
+        if not given or req.compensate or req.eval_data or req.dry_run:
             raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
                              "--compensate, --eval-data or --dry-run")
-        target = None if heads is not None else Target(fraction=fraction, num_heads=num_heads, threshold=threshold,
-                                                       scope=scope, min_heads_per_layer=min_heads, unit=unit)
-        written = prune_checkpoint_streaming(model, output, scores=scores, heads=heads, target=target,
-                                             min_heads=min_heads, overwrite=overwrite, shard_size=shard_size,
-                                             trust_remote_code=load.trust_remote_code)
+        target = None if req.heads is not None else _target(req)
+        written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
+                                             target=target, min_heads=req.min_heads, overwrite=req.overwrite,
+                                             shard_size=req.shard_size, trust_remote_code=req.load.trust_remote_code)
         return PruneRun(streamed=written)
-    load, calib_device = sequential_placement(load, req.sequential)
-    lm = load_model(model, **load.kwargs())
-    if not dry_run:
+    load, calib_device = sequential_placement(req.load, req.sequential)
+    lm = load_model(req.model, **load.kwargs())
+    if not req.dry_run:
         require_resident_weights(lm.model, "prune", PRUNE_INSTEAD)
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
-    if not dry_run:
-        check_output_target(output, lm.path, overwrite)
+    if not req.dry_run:
+        check_output_target(req.output, lm.path, req.overwrite)
     geometry = lm.geometry
     target = None
-    if heads is not None:
-        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
+    if req.heads is not None:
+        selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads)
     else:
-        target = Target(fraction=fraction, num_heads=num_heads, threshold=threshold, scope=scope,
-                        min_heads_per_layer=min_heads, unit=unit)
+        target = _target(req)
         check_target(target, geometry)
-    needs_tokens = data_spec is not None or eval_data is not None
+    needs_tokens = req.data is not None or req.eval_data is not None
     if needs_tokens and lm.tokenizer is None:
-        raise UsageError(f"{model}: no tokenizer files beside the model; --data / --eval-data need them")
+        raise UsageError(f"{req.model}: no tokenizer files beside the model; --data / --eval-data need them")
     score_info: dict = {}
     if target is not None:
-        matrix, score_info = _scores(lm, scores, data_spec, method, objective)
+        matrix, score_info = _scores(lm, req.scores, req.data, req.method, req.objective)
         selection = select_heads(matrix, geometry, target)
-    calib, heldout, eval_batches, eval_objective, eval_info = _data(lm, data_spec, compensate, heldout_samples,
-                                                                    eval_data, eval_samples, objective)
-    result = prune(lm, selection, unit=unit, calib_batches=calib, heldout_batches=heldout, compensate=compensate,
-                   choose_in_layer=choose_in_layer, refit_layers=refit_layers, damping=damping,
-                   eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
+    calib, heldout, eval_batches, eval_objective, eval_info = _data(
+        lm, req.data, req.compensate, req.heldout_samples, req.eval_data, req.eval_samples, req.objective)
+    result = prune(lm, selection, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
+                   compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
+                   damping=req.damping, eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
     kind = output_kind(lm.model)
     summary = result.summary()
-    options = {"target": target.describe() if target else None, "heads": heads, "compensate": compensate,
-               "choose_in_layer": result.choice, "refit_layers": refit_layers if compensate else None,
-               "damping": damping if compensate else None, "heldout_samples": heldout_samples,
-               "calibration_data": (calib_info(lm, data_spec) if compensate else None), "dtype": load.dtype}
-    meta = {"operation": "prune", "method": score_info.get("method", "explicit" if heads else None),
+    options = {"target": target.describe() if target else None, "heads": req.heads, "compensate": req.compensate,
+               "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
+               "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
+               "calibration_data": (calib_info(lm, req.data) if req.compensate else None), "dtype": load.dtype}
+    meta = {"operation": "prune", "method": score_info.get("method", "explicit" if req.heads else None),
             "scores": score_info or None, "options": options,
             "kept_heads": [list(k) for k in result.selection.kept],
             "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
             "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary}
     written = None
-    if not dry_run:
-        written = write_output(output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
-                               card_table=markdown_table(result, kind), overwrite=overwrite, shard_size=shard_size)
+    if not req.dry_run:
+        written = write_output(req.output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
+                               card_table=markdown_table(result, kind), overwrite=req.overwrite,
+                               shard_size=req.shard_size)
         kind = written["config_kind"]
-    report = {"model": model, "output": written, "dry_run": dry_run, "config_kind": kind,
+    report = {"model": req.model, "output": written, "dry_run": req.dry_run, "config_kind": kind,
               "source": {"path": lm.path, "fingerprint": lm.fingerprint},
               **{k: v for k, v in meta.items() if k not in ("summary",)}, **summary,
               "eval_data": eval_info}
     return PruneRun(result=result, config_kind=kind, eval_info=eval_info, written=written, report=report)
+
+
+def _target(req: PruneRequest) -> Target:
+    return Target(fraction=req.fraction, num_heads=req.num_heads, threshold=req.threshold, scope=req.scope,
+                  min_heads_per_layer=req.min_heads, unit=req.unit)
 
 
 def calib_info(lm, spec) -> dict | None:
