@@ -12,19 +12,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from headtool.arch import adapter_for
 from headtool.cli.app import app
 from headtool.data.sources import DataSpec
 from headtool.errors import UsageError
-from headtool.train.healing import (HealInterrupted, HealOptions, distill_terms, lr_lambda,
-    state_folder)
 from headtool.model.loading import load_model
 from headtool.model.placement import LoadOptions
+from headtool.train.healing import (
+    HealInterrupted,
+    HealOptions,
+    distill_terms,
+    lr_lambda,
+    state_folder,
+)
 from headtool.train.lowrank import LowRankLinear, add_lowrank, merge_lowrank
 from headtool.workflows.heal import HealRequest, run_heal
-from tiny_models import checkpoint_tensors, logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
+from tiny_models import (
+    checkpoint_tensors,
+    logits_of,
+    sample_ids,
+    save_tiny,
+    tiny_model,
+    tokenizer_for,
+)
+from typer.testing import CliRunner
 
 runner = CliRunner()
 
@@ -143,9 +154,9 @@ def test_heal_headless_encoder_matches_hidden_states(text, tmp_path):
 
 def test_heal_really_pruned_non_uniform_student(text, tmp_path):
     """A student with different heads per layer (headtool's own config + modeling file) stays so."""
+    from headtool.arch.heads import keep_for_query_heads, prune_layer_tensors
     from headtool.io.output import write_output
     from headtool.model.resize import resize_attention
-    from headtool.arch.heads import keep_for_query_heads, prune_layer_tensors
 
     teacher = save_tiny("llama", tmp_path / "t")
     lm = load_model(str(teacher), dtype="float32", device="cpu")
@@ -264,7 +275,7 @@ def test_bad_usage(pair, text, tmp_path):
 def _rank_main(rank: int, port: int, args: tuple, kw: dict, result: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from headtool.train.healing import World, finish_world
+    from headtool.distributed import World, finish_world
 
     try:
         doc = heal_checkpoint(*args, **kw)

@@ -1,12 +1,13 @@
 """Data parallelism on an existing engine: torchrun / accelerate launch set the environment.
 
-Each rank scores its share of the batches (every world_size-th batch); the accumulated sums
-and their weights are all-reduced, so every rank ends with the single-process result on the
-same batches (up to summation order). Rank 0 alone writes and prints.
+Scoring: each rank scores its share of the batches (every world_size-th batch); the accumulated
+sums and their weights are all-reduced, so every rank ends with the single-process result on the
+same batches (up to summation order). Healing: DDP over a `World`. Rank 0 alone writes and prints.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
 import torch
@@ -74,3 +75,47 @@ def finish() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in a data-parallel run (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+
+def world_from_env() -> World:
+    """Join the process group that torchrun / accelerate launch set up (gloo on CPU, nccl on CUDA)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+
+def finish_world(world: World) -> None:
+    """Leave the process group at the end of a torchrun job."""
+    if world.size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

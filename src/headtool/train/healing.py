@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..console import info, progress, warn
+from ..distributed import World
 from ..errors import HeadtoolError, UsageError
 from ..measure.objectives import divergence, token_losses
 
@@ -143,50 +144,6 @@ class HealInterrupted(HeadtoolError):
     """Ctrl-C during training: the state of the last finished step was saved."""
 
     exit_code = 130
-
-
-# --------------------------------------------------------------------------- distributed
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place in a data-parallel run (rank 0 of 1 without torchrun)."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def world_from_env() -> World:
-    """Join the process group that torchrun / accelerate launch set up (gloo on CPU, nccl on CUDA)."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
-        return World()
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def finish_world(world: World) -> None:
-    """Leave the process group at the end of a torchrun job."""
-    if world.size > 1:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def barrier(world: World) -> None:
-    if world.size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
 
 
 # --------------------------------------------------------------------------- what trains

@@ -13,6 +13,7 @@ import torch
 
 from ..data.batches import make_batches
 from ..data.sources import DataSpec
+from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..measure.evaluation import tokenizers_agree
@@ -22,12 +23,9 @@ from ..model.refs import resolve_ref
 from ..train.healing import (
     STATE_FILE,
     HealOptions,
-    World,
-    barrier,
     heal_model,
     memory_figures,
     state_folder,
-    world_from_env,
 )
 
 

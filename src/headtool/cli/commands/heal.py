@@ -81,7 +81,8 @@ def heal(
     Example: headtool heal pruned/ --teacher smollm2-135m --data builtin:pydoc --max-steps 200 -o healed/
     """
     from ...data.sources import DataSpec
-    from ...train.healing import HealOptions, finish_world, world_from_env
+    from ...distributed import finish_world, world_from_env
+    from ...train.healing import HealOptions
     from ...workflows.heal import HealRequest, run_heal
 
     spec = data_spec or DataSpec()
