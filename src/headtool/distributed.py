@@ -90,7 +90,6 @@ class World:
         return self.rank == 0
 
 
-
 def world_from_env() -> World:
     """Join the process group that torchrun / accelerate launch set up (gloo on CPU, nccl on CUDA)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -103,7 +102,6 @@ def world_from_env() -> World:
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-
 def finish_world(world: World) -> None:
     """Leave the process group at the end of a torchrun job."""
     if world.size > 1:
@@ -111,7 +109,6 @@ def finish_world(world: World) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 
 def barrier(world: World) -> None:

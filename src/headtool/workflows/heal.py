@@ -54,9 +54,7 @@ class HealRequest:
 OBJECTIVE_OF_TASK = {"causal-lm": "lm", "masked-lm": "mlm"}
 
 
-
 DATA_TASK_OF_TASK = {"causal-lm": "lm", "masked-lm": "mlm"}
-
 
 
 def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: World):
@@ -79,7 +77,6 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
         # tokenize no more than the run reads (the same blocks either way: selection is prefix-stable)
         train = replace(train, max_samples=opts.max_steps * opts.grad_accum * world.size * train.batch_size)
     return train, held
-
 
 
 def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None] | None = None
@@ -166,7 +163,6 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
             shutil.rmtree(state_dir, ignore_errors=True)
     barrier(world)
     return doc
-
 
 
 def card_table(doc: dict[str, Any]) -> str:
