@@ -19,7 +19,9 @@ from typing import Any
 
 from ..arch import LAYOUT_KEY, RESIZE_SPEC_KEY
 from ..errors import HeadtoolError, UsageError
+from ..templates import modeling_file_source
 from ..version import __version__
+from .sizes import parse_size
 
 FORMAT = "headtool.surgery/1"
 MODELING_FILE = "modeling_headtool.py"
@@ -124,8 +126,6 @@ def _fix_config(folder: Path, model, kind: str) -> None:
         cfg.pop(RESIZE_SPEC_KEY, None)
         (folder / MODELING_FILE).unlink(missing_ok=True)
     else:
-        from ..templates import modeling_file_source
-
         names = _auto_map(model)
         exported = {auto: f"Headtool{base}" for auto, base in names.items()}
         (folder / MODELING_FILE).write_text(modeling_file_source(
@@ -201,8 +201,6 @@ def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict
     `source` is the LoadedModel of the input (its path and fingerprint go into headtool.json;
     its tokenizer files and generation config are copied). Returns {"path", "config_kind", "files"}.
     """
-    from .sizes import parse_size
-
     target = check_output_target(out, getattr(source, "path", None), overwrite)
     shard_bytes = parse_size(shard_size)
     if shard_bytes < 1:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
 from ..errors import UsageError
 
 FORMAT = "headtool.speed/1"
@@ -280,9 +282,6 @@ def measure_models(models: Sequence[tuple[str, Any, bool]], input_ids: torch.Ten
 
 def speed_input_ids(tokenizer, spec: SpeedSpec, source: str = "builtin:pydoc", seed: int = 0) -> torch.Tensor:
     """[batch, context] real text tokens from `source` (the content barely matters; real text is honest)."""
-    from ..data.batches import make_batches
-    from ..data.sources import DataSpec
-
     ds = DataSpec(source=source, seq_len=spec.context, batch_size=spec.batch, max_samples=spec.batch, seed=seed)
     b = make_batches(ds, tokenizer, "plain")
     ids = torch.cat([x["input_ids"] for x in b.batches])

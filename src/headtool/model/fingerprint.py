@@ -18,6 +18,7 @@ import torch
 
 from ..errors import UsageError
 from ..io.safetensors_stream import LazyCheckpoint
+from .config import load_config
 
 _IGNORED_CONFIG_KEYS = {
     "_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config",
@@ -95,8 +96,6 @@ def checkpoint_fingerprint(config_dict: Mapping, lazy: LazyCheckpoint) -> str:
 def folder_fingerprint(path: str) -> str:
     """The fingerprint of the checkpoint in a local folder, from its files (for weights that
     --device-map offloaded, which are not in memory to hash)."""
-    from .config import load_config
-
     if not (Path(path) / "config.json").exists():
         raise UsageError(f"{path}: offloaded weights are fingerprinted from their files, and this is "
                          "not a local model folder")

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..arch import LAYOUT_KEY, Adapter, adapter_for
+from ..console import warn
 from ..errors import HeadtoolError, UsageError
 from .classes import auto_class, pick_task
 from .config import load_config
@@ -88,8 +89,6 @@ def _check_missing(ref: str, missing: list[str]) -> None:
         raise UsageError(f"{ref}: the checkpoint is missing {len(in_layers)} layer weight(s), e.g. {in_layers[0]}; "
                          "the weights file is incomplete")
     if missing:
-        from ..console import warn
-
         warn(f"{ref}: not in the checkpoint, initialized randomly: {', '.join(missing[:4])}"
              + (" ..." if len(missing) > 4 else ""))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
+from ..io.sizes import parse_size
 from .refs import cache_dir
 
 if TYPE_CHECKING:
@@ -82,8 +83,6 @@ def resolve_device(device: str) -> torch.device:
 
 def parse_max_memory(spec: str) -> dict[int | str, str]:
     """'0=70GiB,1=70GiB,cpu=200GiB' -> {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'} (accelerate's form)."""
-    from ..io.sizes import parse_size
-
     caps: dict[int | str, str] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         dev, sep, size = part.partition("=")

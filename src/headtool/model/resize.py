@@ -39,7 +39,7 @@ def resize_attention(model: nn.Module, adapter: Adapter, layer: int, new_geo: La
     """Give layer `layer` the geometry `new_geo` and the head-carrying tensors `new_tensors`.
 
     `new_tensors` maps full state-dict keys (e.g. 'model.layers.3.self_attn.q_proj.weight')
-    to the new values, typically from `surgery.prune_layer_tensors`. Projections get new
+    to the new values, typically from `arch.heads.prune_layer_tensors`. Projections get new
     parameters, head-count attributes are set, and `model.config` is updated (standard keys
     when expressible, else the per-layer table), so the model runs forward/generate at once.
     """

@@ -39,7 +39,10 @@ import torch
 from ..arch import Adapter, LayerHeads
 from ..arch.heads import assemble, extract_heads, layer_tensor_names
 from ..errors import UsageError
+from ..model.info import model_info
 from ..model.placement import require_resident_weights
+from ..model.resize import resize_attention
+from .compensation import sequential_refit
 
 METHODS = ("mean", "aligned", "fit")
 GROUPINGS = ("contiguous", "similarity")
@@ -518,8 +521,6 @@ def aligned_layer_tensors(model, adapter: Adapter, layer: int, groups: Sequence[
 def convert_in_place(model, adapter: Adapter, plans: Sequence[LayerPlan], method: str,
                      grams: Mapping[int, torch.Tensor] | None) -> None:
     """Merge every layer of `model` per `plans`, in place (through headtool.model.resize)."""
-    from ..model.resize import resize_attention
-
     state = {k: v for k, v in model.state_dict().items()}
     for i, plan in enumerate(plans):
         tensors = converted_layer_tensors(model, adapter, i, plan, method,
@@ -529,8 +530,6 @@ def convert_in_place(model, adapter: Adapter, plans: Sequence[LayerPlan], method
 
 def summary_figures(model, adapter: Adapter) -> dict[str, Any]:
     """Parameters and KV cache of a model (before/after columns of the summary)."""
-    from ..model.info import model_info
-
     info = model_info(model, adapter)
     return {k: info[k] for k in ("params", "attention_params", "kv_cache_bytes_per_token", "num_kv_heads",
                                  "total_kv_heads", "num_heads")}
@@ -575,8 +574,6 @@ def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: 
     if refit:
         if not batches:
             raise UsageError("the output-projection refit needs calibration data (--data)")
-        from .compensation import sequential_refit
-
         report = sequential_refit(original, model, adapter, batches, damping=damping,
                                   heldout_batches=heldout_batches, device=calib_device)
     return Converted(method, model, plans, report, time.perf_counter() - t0)

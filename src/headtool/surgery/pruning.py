@@ -16,6 +16,8 @@ from typing import Any, Sequence
 from ..arch import Adapter, LayerHeads
 from ..arch.heads import keep_for_query_heads, prune_layer_tensors
 from ..errors import UsageError
+from ..measure.evaluation import evaluate
+from ..model.info import model_info
 from ..model.placement import require_resident_weights
 from ..model.resize import resize_attention
 from .compensation import o_columns, removal_cost, sequential_refit
@@ -83,8 +85,6 @@ def apply_selection(model, adapter: Adapter, selection: Selection, geometry: Seq
 
 
 def _evaluate(model, batches, objective):
-    from ..measure.evaluation import evaluate
-
     return evaluate(model, batches, objective, label="eval") if batches else None
 
 
@@ -116,8 +116,6 @@ def prune(
     original attention output (sequential calibration, see compensation.py). With
     `calib_device`, the model stays where it is and each layer visits that device in turn.
     """
-    from ..model.info import model_info
-
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
     if refit_layers not in REFIT_LAYERS:

@@ -2,7 +2,7 @@
 
 Used when no forward pass is needed (prune with a score document or a head list and no
 compensation; convert-gqa with `--merge mean`). The tensor math is the in-memory path's own
-(`surgery.prune_layer_tensors`, `convert.mean_layer_tensors`); the config and model card come from a
+(`arch.heads.prune_layer_tensors`, `surgery.merging.mean_layer_tensors`); the config and model card come from a
 model built on the meta device (no memory), so the output folder is the same as in memory.
 """
 from __future__ import annotations
@@ -15,10 +15,20 @@ from typing import Any, Callable
 import torch
 
 from ..arch import Adapter, LayerHeads, adapter_for
+from ..arch.heads import keep_for_query_heads, prune_layer_tensors
 from ..errors import UsageError
+from ..io.output import check_output_target, finish_folder, output_kind, temp_folder
 from ..io.safetensors_stream import DTYPES, LazyCheckpoint, write_checkpoint_streaming
 from ..io.sizes import parse_size
+from ..measure.scores_doc import read_scores
+from ..model.classes import auto_class, model_class, pick_task
+from ..model.config import load_config
 from ..model.fingerprint import checkpoint_fingerprint
+from ..model.refs import resolve_ref
+from ..model.resize import resize_attention
+from .merging import check_target, contiguous_groups, mean_layer_tensors
+from .selection import check_target as check_selection_target
+from .selection import parse_heads, select_heads, selection_from_removed
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -65,10 +75,6 @@ class CheckpointRef:
 
 def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
     """A local safetensors folder (or packaged model) opened for streaming; UsageError otherwise."""
-    from ..model.classes import pick_task
-    from ..model.config import load_config
-    from ..model.refs import resolve_ref
-
     path, source = resolve_ref(ref)
     if source == "hub":
         raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
@@ -81,8 +87,6 @@ def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
 def meta_model(config, task: str):
     """The model built on the meta device: its class, config and head geometry, no weights."""
     import copy
-
-    from ..model.classes import auto_class, model_class
 
     config = copy.deepcopy(config)  # resizing updates the model's config; the checkpoint's stays as read
     with torch.device("meta"):
@@ -149,9 +153,6 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
 
     Peak memory: the tensors of one layer's attention plus the one being written.
     """
-    from ..io.output import check_output_target, finish_folder, output_kind, temp_folder
-    from ..model.resize import resize_attention
-
     target = check_output_target(out, ck.path, overwrite)
     shard_bytes = parse_size(shard_size)
     entries = plan_entries(ck, new_geometry)
@@ -189,8 +190,6 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
 def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]], out: str | Path, *,
                  meta: dict, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
     """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming."""
-    from ..arch.heads import keep_for_query_heads, prune_layer_tensors
-
     geometry = ck.geometry
     keeps = [keep_for_query_heads(g, k) for g, k in zip(geometry, kept)]
     new_geometry = [k.geometry(g) for k, g in zip(keeps, geometry)]
@@ -207,8 +206,6 @@ def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]
 def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: dict, card_table: str = "",
                         overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
     """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
-    from .merging import check_target, contiguous_groups, mean_layer_tensors
-
     geometry = ck.geometry
     check_target(ck.adapter, geometry, n_kv)
     new_geometry = [LayerHeads(g.num_heads, n_kv, g.head_dim) for g in geometry]
@@ -226,25 +223,14 @@ def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads:
                                min_heads: int, overwrite: bool, shard_size: str | int,
                                trust_remote_code: bool = False) -> dict:
     """`prune --streaming`: heads from a score document or a list, removed shard by shard."""
-    from .selection import (
-        check_target,
-        parse_heads,
-        select_heads,
-        selection_from_removed,
-    )
-
     ck = open_checkpoint(ref, trust_remote_code)
-    from ..io.output import check_output_target
-
     check_output_target(out, ck.path, overwrite)
     geometry = ck.geometry
     if heads is not None:
         selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
         score_info = None
     else:
-        from ..measure.scores_doc import read_scores
-
-        check_target(target, geometry)
+        check_selection_target(target, geometry)
         doc = read_scores(scores, ck)
         selection = select_heads(doc["scores"], geometry, target)
         score_info = {"from": scores, "method": doc.get("method"), "objective": doc.get("objective")}

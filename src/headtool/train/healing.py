@@ -30,9 +30,12 @@ import torch
 from torch import nn
 
 from ..console import info, progress, warn
+from ..data.batches import to_device
 from ..distributed import World
 from ..errors import HeadtoolError, UsageError
-from ..measure.objectives import divergence, token_losses
+from ..measure.objectives import divergence, has_logits, token_losses
+from ..model.info import attention_param_names
+from .lowrank import add_lowrank, merge_lowrank
 
 TRAIN_MODES = ("attention", "all", "lora")
 STATE_FORMAT = "headtool.heal-state/1"
@@ -161,15 +164,11 @@ def trainable_roots(model: nn.Module, adapter) -> list[nn.Module]:
 def select_trainable(model: nn.Module, adapter, opts: HealOptions) -> list[str]:
     """Set requires_grad for the chosen mode (wrapping low-rank adapters for lora); returns names."""
     if opts.train == "lora":
-        from .lowrank import add_lowrank
-
         add_lowrank(model, trainable_roots(model, adapter), opts.lora_rank, opts.lora_alpha, seed=opts.seed)
     elif opts.train == "all":
         for p in model.parameters():
             p.requires_grad_(True)
     else:
-        from ..model.info import attention_param_names
-
         chosen = set(attention_param_names(model, adapter))
         for name, p in model.named_parameters():
             p.requires_grad_(name in chosen)
@@ -181,8 +180,6 @@ def select_trainable(model: nn.Module, adapter, opts: HealOptions) -> list[str]:
 
 def finish_trainable(model: nn.Module) -> None:
     """Fold low-rank adapters into the weights and make every parameter frozen again."""
-    from .lowrank import merge_lowrank
-
     merge_lowrank(model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -372,8 +369,6 @@ def use_bf16(opts: HealOptions, device: torch.device) -> bool:
 def evaluate_heal(student: nn.Module, teacher: nn.Module, batches: Sequence[dict], opts: HealOptions,
                   objective: str | None, *, bf16: bool = False) -> dict[str, float]:
     """Held-out distillation loss (and the student's LM loss / perplexity where it has one)."""
-    from ..data.batches import to_device
-
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
@@ -440,8 +435,6 @@ def heal_model(
     None. identity: facts a resumed run must share with the saved one (fingerprints, data).
     callback(step, record) runs after every optimizer step (and after the state was saved).
     """
-    from ..data.batches import to_device
-
     opts.validate()
     if not train_batches:
         raise UsageError("no training batches")
@@ -627,8 +620,6 @@ def heal_model(
     for m in (student, teacher):
         if id(m) in use_cache:
             m.config.use_cache = use_cache[id(m)]
-    from ..measure.objectives import has_logits
-
     best_step = best["step"] if best.get("step") is not None else step
     return HealResult(steps=step, total_steps=total, tokens=tokens,
                       elapsed_s=elapsed0 + time.perf_counter() - t0, losses=losses,

@@ -29,6 +29,7 @@ from ..surgery.merging import (
     convert_model,
     summary_figures,
 )
+from ..surgery.streaming import open_checkpoint, stream_convert_mean
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 
@@ -99,8 +100,6 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
         if methods != ["mean"] or req.grouping != "contiguous" or req.refit or req.eval_data:
             raise UsageError("--streaming needs no forward pass: use --merge mean --grouping contiguous, "
                              "without --refit or --eval-data")
-        from ..surgery.streaming import open_checkpoint, stream_convert_mean
-
         ck = open_checkpoint(req.model, req.load.trust_remote_code)
         check_target(ck.adapter, ck.geometry, req.kv_heads)
         meta = {"operation": "convert-gqa", "method": "mean", "streaming": True,

@@ -81,27 +81,22 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
 
 def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None] | None = None
              ) -> dict[str, Any]:
-    """Load STUDENT and TEACHER, heal, and write OUT in the student's own format; returns the result.
+    """Load STUDENT and TEACHER, heal, and write OUTPUT in the student's own format; returns the result.
 
-    data: the training DataSpec; eval_data: None (held-out blocks of `data`), a source string or a
-    DataSpec. The training state goes to OUT.heal-state/ every `save_every` steps and is removed after OUT
-    is written (unless keep_state). Safe to call from every rank of a torchrun job.
+    The training state is saved every `save_every` steps. Safe to call from every rank of a torchrun job.
     """
-    student_ref, teacher_ref, out, opts = req.student, req.teacher, req.output, req.opts
-    data, eval_data, eval_samples = req.data, req.eval_data, req.eval_samples
-    overwrite, resume, keep_state = req.overwrite, req.resume, req.keep_state
-    opts.validate()
-    if eval_samples < 1:
-        raise UsageError(f"--eval-samples must be at least 1 (got {eval_samples})")
+    req.opts.validate()
+    if req.eval_samples < 1:
+        raise UsageError(f"--eval-samples must be at least 1 (got {req.eval_samples})")
     world = world_from_env()
     load_kwargs = req.load.kwargs()
-    state_dir = state_folder(out)
-    student_path, _ = resolve_ref(student_ref)
-    check_output_target(out, student_path, overwrite)
-    if resume and not (state_dir / STATE_FILE).exists():
+    state_dir = state_folder(req.output)
+    student_path, _ = resolve_ref(req.student)
+    check_output_target(req.output, student_path, req.overwrite)
+    if req.resume and not (state_dir / STATE_FILE).exists():
         raise UsageError(f"--resume: no training state in {state_dir} (run without --resume to start)")
-    if state_dir.exists() and not resume:
-        if not overwrite:
+    if state_dir.exists() and not req.resume:
+        if not req.overwrite:
             raise UsageError(f"{state_dir} holds the training state of an earlier, unfinished run; pass --resume "
                              "to continue it or --overwrite to start over")
         if world.main:
@@ -109,21 +104,21 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     if world.size > 1 and torch.cuda.is_available() and load_kwargs.get("device", "auto") in ("auto", "cuda"):
         load_kwargs["device"] = f"cuda:{world.local_rank}"
 
-    student = load_model(student_ref, **load_kwargs)
+    student = load_model(req.student, **load_kwargs)
     require_resident_weights(student.model, "heal", "the student is trained in place, so it must fit in memory "
                              "without offload (drop --max-memory or raise its caps)")
-    teacher = load_model(teacher_ref, **load_kwargs)
+    teacher = load_model(req.teacher, **load_kwargs)
     tok = student.tokenizer or teacher.tokenizer
     if tok is None:
-        raise UsageError(f"{student_ref}: no tokenizer files beside the model (nor beside the teacher)")
+        raise UsageError(f"{req.student}: no tokenizer files beside the model (nor beside the teacher)")
     if not tokenizers_agree(student.tokenizer, teacher.tokenizer):
-        raise UsageError(f"{student_ref} and {teacher_ref} use different tokenizers; heal distils on the same "
+        raise UsageError(f"{req.student} and {req.teacher} use different tokenizers; heal distils on the same "
                          "tokens, so the student must keep the teacher's tokenizer")
     if (student.task == "base") != (teacher.task == "base"):
         raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
                          "the same head (or both headless)")
     objective = OBJECTIVE_OF_TASK.get(student.task)
-    train_spec, held_spec = _data_specs(data, eval_data, eval_samples, opts, world)
+    train_spec, held_spec = _data_specs(req.data, req.eval_data, req.eval_samples, req.opts, world)
     data_task = DATA_TASK_OF_TASK.get(student.task, "plain")
     train = make_batches(train_spec, tok, data_task)
     held = make_batches(held_spec, tok, data_task)
@@ -131,19 +126,19 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
     identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,
                 "train_data": train.info.get("fingerprint"), "eval_data": held.info.get("fingerprint")}
-    result = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, opts,
-                        objective=objective, state_dir=state_dir, resume=resume, identity=identity,
+    result = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
+                        objective=objective, state_dir=state_dir, resume=req.resume, identity=identity,
                         callback=callback, world=world)
     doc: dict[str, Any] = {
         "format": "headtool.heal/1",
-        "student": {"ref": student_ref, "path": student.path, "fingerprint": student.fingerprint,
+        "student": {"ref": req.student, "path": student.path, "fingerprint": student.fingerprint,
                     "task": student.task},
-        "teacher": {"ref": teacher_ref, "path": teacher.path, "fingerprint": teacher.fingerprint},
+        "teacher": {"ref": req.teacher, "path": teacher.path, "fingerprint": teacher.fingerprint},
         "objective": objective or "hidden",
-        "options": {**asdict(opts), "learning_rate": opts.learning_rate, "eval_samples": eval_samples},
+        "options": {**asdict(req.opts), "learning_rate": req.opts.learning_rate, "eval_samples": req.eval_samples},
         "data": train.info, "eval_data": held.info,
         **result.to_json(),
-        "memory": memory_figures(student.model, teacher.model, result.trainable_params, opts),
+        "memory": memory_figures(student.model, teacher.model, result.trainable_params, req.opts),
     }
     if world.main:
         student.model.to(out_dtype)
@@ -156,10 +151,10 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
                 meta["healed_from"] = json.loads(prior.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 pass
-        written = write_output(out, model=student.model, tokenizer=tok, source=student, meta=meta,
-                               card_table=card_table(doc), overwrite=overwrite)
+        written = write_output(req.output, model=student.model, tokenizer=tok, source=student, meta=meta,
+                               card_table=card_table(doc), overwrite=req.overwrite)
         doc["output"] = written
-        if not keep_state:
+        if not req.keep_state:
             shutil.rmtree(state_dir, ignore_errors=True)
     barrier(world)
     return doc
