@@ -17,7 +17,8 @@ SRC = Path(headtool.__file__).parent
 
 # lowest first; a module belongs to the first entry that is it or a package above it
 LAYERS: list[tuple[str, ...]] = [
-    ("headtool.version", "headtool.errors", "headtool.console", "headtool.distributed", "headtool.templates"),
+    ("headtool.version", "headtool.errors", "headtool.console", "headtool.distributed", "headtool.optionspec",
+     "headtool.templates"),
     ("headtool.arch",),
     ("headtool.io",),
     ("headtool.model",),

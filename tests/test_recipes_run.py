@@ -75,7 +75,7 @@ def test_recipe_with_a_heal_step(tiny_folders, tmp_path):
     r = tmp_path / "heal.yaml"
     r.write_text(f"model: {tiny_folders['decoder']}\ndtype: float32\nseed: 0\n"
                  "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 8}\n"
-                 "steps:\n  - prune: {heads: '0:0,2;1:1,3'}\n  - heal: {max_steps: 4, num_tokens: 256}\n"
+                 "steps:\n  - prune: {heads: '0:0,2;1:1,3'}\n  - heal: {max_steps: 4, data: {num_tokens: 256, max_samples: null}}\n"
                  "  - eval: {data: {skip_samples: 40, max_samples: 4}}\n")
     res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "out"), "--json"])
     assert res.exit_code == 0, res.output

@@ -18,7 +18,8 @@ except ImportError:  # pragma: no cover
 from ..console import err_console, print_json
 from ..errors import HeadtoolError, UsageError
 from ..version import __version__
-from .options import MODEL_HELP, JsonOpt, LoadOptions, data_options, model_options
+from ..workflows.requests import EvalRequest
+from .options import MODEL_HELP, JsonOpt, LoadOptions, command_options, data_options, model_options
 
 _state = {"debug": False}
 
@@ -121,9 +122,8 @@ def info(
 @app.command("eval")
 @model_options
 @data_options()
+@command_options(EvalRequest)
 def eval_cmd(
-    models: Annotated[list[str], typer.Argument(help="one or more models; deltas are against the first")],
-    objective: Annotated[str, typer.Option("--objective", help="auto | lm | mlm | classification")] = "auto",
     speed: Annotated[bool, typer.Option("--speed", help="measure inference speed and memory instead of loss",
                                         rich_help_panel="Speed")] = False,
     batch: Annotated[Optional[int], typer.Option("--batch", help="sequences per forward (default 1)",
@@ -137,6 +137,7 @@ def eval_cmd(
     warmup: Annotated[Optional[int], typer.Option("--warmup", help="untimed runs first (default 1)",
                                                   rich_help_panel="Speed")] = None,
     json_out: JsonOpt = False,
+    fields=None,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
 ) -> None:
@@ -159,7 +160,7 @@ def eval_cmd(
 
         spec = SpeedSpec(**{k: v for k, v in speed_opts.items() if v is not None})
         ds = data_spec or DataSpec()
-        doc = run_speed(SpeedRequest(tuple(models), spec, source=ds.source, seed=ds.seed, load=load))
+        doc = run_speed(SpeedRequest(fields["models"], spec, source=ds.source, seed=ds.seed, load=load))
         err_console().print(speed_table(doc))
         if json_out:
             print_json(doc)
@@ -168,10 +169,10 @@ def eval_cmd(
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --speed")
 
-    from ..workflows.evaluate import EvalRequest, run_eval
+    from ..workflows.evaluate import run_eval
     from .render import eval_table
 
-    result = run_eval(EvalRequest(tuple(models), objective, data_spec or DataSpec(), load))
+    result = run_eval(EvalRequest(**fields, data=data_spec or DataSpec(), load=load))
     err_console().print(eval_table(result))
     if json_out:
         print_json(result)

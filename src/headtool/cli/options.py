@@ -6,16 +6,21 @@ so every command spells them the same way and none repeats the list.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-from typing import Annotated, Callable, Optional
+import typing
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from ..model.placement import LoadOptions
+from ..optionspec import Opt, options_of
+from ..workflows.requests import MODEL_HELP as MODEL_HELP
+from ..workflows.requests import SEQUENTIAL_HELP
 
-MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
-              "(smollm2-135m, all-minilm-l6-v2) or a hub id")
+_UNSET = object()
+PACKED = ("load", "data_spec", "fields")  # what the decorators hand the command instead of its options
 
 
 _MODEL_PARAMS = [
@@ -36,41 +41,48 @@ _MODEL_PARAMS = [
 ]
 
 
+def option_param(opt: Opt, *, default_override: Any = _UNSET) -> inspect.Parameter:
+    """One declared option (headtool.optionspec) as a Typer parameter: flags, help, panel, default."""
+    t = opt.type
+    if isinstance(t, tuple):  # e.g. str | DataSpec: the command line gives the string form
+        t = str
+    if typing.get_origin(t) is tuple:
+        t = list[typing.get_args(t)[0]]
+    default = opt.default if default_override is _UNSET else default_override
+    if default is dataclasses.MISSING:
+        default = ...
+    if opt.optional or default is None:
+        t = Optional[t]
+    m = opt.meta
+    if m["positional"]:
+        info = typer.Argument(help=m["help"], show_default=m["show_default"])
+    else:
+        info = typer.Option(*opt.flags, help=m["help"], rich_help_panel=m["panel"], show_default=m["show_default"])
+    if isinstance(default, tuple):
+        default = list(default) or ...
+    return inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[t, info])
+
+
 def _data_params(required: bool, default_source: str | None) -> list[inspect.Parameter]:
-    P, K = inspect.Parameter, inspect.Parameter.KEYWORD_ONLY
-    panel = "Data"
-    data_default = ... if required else default_source
-    return [
-        P("data", K, default=data_default, annotation=Annotated[Optional[str], typer.Option(
-            "--data", help="text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk folder, "
-            "hub name[:config], '-' for stdin, or builtin:pydoc", rich_help_panel=panel)]),
-        P("split", K, default=None, annotation=Annotated[Optional[str], typer.Option(
-            "--split", help="dataset split (hub / save_to_disk)", rich_help_panel=panel)]),
-        P("text_column", K, default=None, annotation=Annotated[Optional[str], typer.Option(
-            "--text-column", help="text column (auto-detected when obvious)", rich_help_panel=panel)]),
-        P("label_column", K, default=None, annotation=Annotated[Optional[str], typer.Option(
-            "--label-column", help="label column: switches to classification", rich_help_panel=panel)]),
-        P("seq_len", K, default=128, annotation=Annotated[int, typer.Option(
-            "--seq-len", help="tokens per block", rich_help_panel=panel)]),
-        P("batch_size", K, default=4, annotation=Annotated[int, typer.Option(
-            "--batch-size", help="blocks per batch", rich_help_panel=panel)]),
-        P("max_samples", K, default=None, annotation=Annotated[Optional[int], typer.Option(
-            "--max-samples", help="number of blocks (or examples) to use", rich_help_panel=panel)]),
-        P("num_tokens", K, default=None, annotation=Annotated[Optional[int], typer.Option(
-            "--num-tokens", help="cap the data at about this many tokens", rich_help_panel=panel)]),
-        P("seed", K, default=0, annotation=Annotated[int, typer.Option(
-            "--seed", help="seed for sampling and masking", rich_help_panel=panel)]),
-        P("skip_samples", K, default=0, annotation=Annotated[int, typer.Option(
-            "--skip-samples", help="skip this many blocks first (held-out data disjoint from calibration)",
-            rich_help_panel=panel)]),
-    ]
+    from ..data.sources import DataSpec
+
+    params = []
+    for opt in options_of(DataSpec):
+        params.append(option_param(opt, default_override=(... if required else default_source)
+                                   if opt.name == "source" else _UNSET))
+    return params
 
 
-def _inject(fn: Callable, extra: list[inspect.Parameter], pack: Callable[[dict], dict]) -> Callable:
+def _inject(fn: Callable, extra: list[inspect.Parameter], pack: Callable[[dict], dict], first: bool = False
+            ) -> Callable:
+    """Add `extra` parameters to fn's command-line signature; the wrapper packs their values with
+    `pack` into the keyword arguments fn really takes (which stay out of the CLI signature)."""
     sig = inspect.signature(fn, eval_str=True)  # resolve string annotations in fn's module
     params = [p for p in sig.parameters.values()]
     names = {p.name for p in params}
-    new = params + [p for p in extra if p.name not in names]
+    added = [p for p in extra if p.name not in names]
+    new = added + params if first else params + added
     extra_names = {p.name for p in extra} - names
 
     @functools.wraps(fn)
@@ -80,7 +92,9 @@ def _inject(fn: Callable, extra: list[inspect.Parameter], pack: Callable[[dict],
         return fn(*args, **kwargs)
 
     # keep the packed parameter out of the CLI signature
-    wrapper.__signature__ = sig.replace(parameters=[p for p in new if p.name not in ("load", "data_spec")])
+    # Typer passes everything by keyword: keyword-only lets required options follow defaulted ones
+    wrapper.__signature__ = sig.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                                                    for p in new if p.name not in PACKED])
     return wrapper
 
 
@@ -96,23 +110,43 @@ def data_options(required: bool = False, default: str | None = "builtin:pydoc") 
         def pack(t: dict) -> dict:
             from ..data.sources import DataSpec
 
-            if t.get("data") is None:
+            if t.get("source") is None:
                 return {"data_spec": None}
-            return {"data_spec": DataSpec(source=t["data"], split=t["split"], text_column=t["text_column"],
-                                          label_column=t["label_column"], seq_len=t["seq_len"],
-                                          batch_size=t["batch_size"], max_samples=t["max_samples"],
-                                          num_tokens=t["num_tokens"], seed=t["seed"],
-                                          skip_samples=t["skip_samples"])}
+            return {"data_spec": DataSpec(**t)}
 
         return _inject(fn, _data_params(required, default), pack)
 
     return deco
 
 
-SequentialOpt = Annotated[bool, typer.Option(
-    "--sequential", help="models larger than the device: keep the model on CPU and move one layer at a "
-                         "time to --device for calibration (scoring and --eval-data run on CPU)",
-    rich_help_panel="Model")]
+SequentialOpt = Annotated[bool, typer.Option("--sequential", help=SEQUENTIAL_HELP, rich_help_panel="Model")]
+
+
+def command_options(request: type, *, nested: dict[str, type] | None = None, skip: tuple[str, ...] = ()) -> Callable:
+    """Add a request's declared options (headtool.workflows.requests) to a command; the command
+    receives `fields`, a dict of those values ready for `request(**fields, ...)`.
+
+    nested: fields of the request that are dataclasses of their own (heal's `opts`): their
+    options are added too and packed into an instance. skip: names the command declares itself.
+    """
+    nested = nested or {}
+    own = [o for o in options_of(request) if o.name not in skip]
+    inner = {name: [o for o in options_of(cls) if o.name not in skip] for name, cls in nested.items()}
+    params = [option_param(o) for o in own] + [option_param(o) for opts in inner.values() for o in opts]
+
+    def pack(t: dict) -> dict:
+        fields = {o.name: t[o.name] for o in own}
+        for name, opts in inner.items():
+            fields[name] = {o.name: t[o.name] for o in opts}
+        for k, v in fields.items():
+            if isinstance(v, list):
+                fields[k] = tuple(v)
+        return {"fields": fields}
+
+    def deco(fn: Callable) -> Callable:
+        return _inject(fn, params, pack, first=True)
+
+    return deco
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import UsageError
+from ..optionspec import option
 
 __all__ = [
     "DataSpec",
@@ -51,6 +52,10 @@ TEXT_COLUMN_NAMES = (
     "sentence1",
 )
 
+SOURCE_HELP = ("text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk folder, hub name[:config], "
+               "'-' for stdin, or builtin:pydoc")
+_PANEL = "Data"
+
 _TRUE = {"1", "true", "yes", "on"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 _FILE_LIKE_SUFFIX = re.compile(r"^\.[A-Za-z][A-Za-z0-9]{0,5}$")
@@ -58,18 +63,22 @@ _FILE_LIKE_SUFFIX = re.compile(r"^\.[A-Za-z][A-Za-z0-9]{0,5}$")
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What data to use and how to cut it; recorded in every JSON output via ``Batches.info``."""
+    """What data to use and how to cut it; recorded in every JSON output via ``Batches.info``.
 
-    source: str = "builtin:pydoc"
-    split: str | None = None
-    text_column: str | None = None
-    label_column: str | None = None
-    seq_len: int = 128
-    batch_size: int = 4
-    max_samples: int | None = None
-    num_tokens: int | None = None
-    seed: int = 0
-    skip_samples: int = 0
+    The fields' metadata is the --data option group of every command and a recipe's data block.
+    """
+
+    source: str = option("builtin:pydoc", SOURCE_HELP, flags=("--data",), panel=_PANEL)
+    split: str | None = option(None, "dataset split (hub / save_to_disk)", panel=_PANEL)
+    text_column: str | None = option(None, "text column (auto-detected when obvious)", panel=_PANEL)
+    label_column: str | None = option(None, "label column: switches to classification", panel=_PANEL)
+    seq_len: int = option(128, "tokens per block", min=2, panel=_PANEL)
+    batch_size: int = option(4, "blocks per batch", min=1, panel=_PANEL)
+    max_samples: int | None = option(None, "number of blocks (or examples) to use", min=1, panel=_PANEL)
+    num_tokens: int | None = option(None, "cap the data at about this many tokens", min=1, panel=_PANEL)
+    seed: int = option(0, "seed for sampling and masking", min=0, panel=_PANEL)
+    skip_samples: int = option(0, "skip this many blocks first (held-out data disjoint from calibration)",
+                               min=0, panel=_PANEL)
 
 
 # --------------------------------------------------------------------------- tables

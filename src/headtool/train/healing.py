@@ -36,71 +36,15 @@ from ..errors import HeadtoolError, UsageError
 from ..measure.objectives import divergence, has_logits, token_losses
 from ..model.info import attention_param_names
 from .lowrank import add_lowrank, merge_lowrank
+from .options import TRAIN_MODES as TRAIN_MODES
+from .options import HealOptions
 
-TRAIN_MODES = ("attention", "all", "lora")
 STATE_FORMAT = "headtool.heal-state/1"
 STATE_FILE = "state.pt"
 
 # Options that may differ between an interrupted run and its resume (they do not change the
 # trajectory of the weights); every other option must be the same.
 RESUME_FREE = ("eval_every", "save_every", "gradient_checkpointing", "keep_best")
-
-
-@dataclass(frozen=True)
-class HealOptions:
-    """How to heal. Defaults suit a short heal of a few hundred steps."""
-
-    train: str = "attention"  # attention | all | lora
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    temperature: float = 1.0
-    kl_weight: float = 1.0  # distillation term (KL on logits, or hidden states for headless models)
-    lm_weight: float = 0.0  # the student's own LM / MLM loss on the data
-    hidden_weight: float = 0.0  # final hidden-state matching (models with logits)
-    lr: float | None = None  # None: 2e-4 (attention/all), 1e-3 (lora)
-    weight_decay: float = 0.0
-    warmup_steps: int | None = None  # None: 5% of the steps
-    min_lr_ratio: float = 0.1  # cosine decays to lr * this
-    max_steps: int | None = None  # None: one pass over the training data
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0  # 0 = no clipping
-    seed: int = 0
-    bf16: str = "auto"  # auto (on CUDA only) | on | off
-    eval_every: int | None = None  # None: about 10 evaluations
-    save_every: int | None = None  # None: with every evaluation
-    gradient_checkpointing: bool = False
-    keep_best: bool = True  # end with the weights of the best held-out evaluation
-
-    def validate(self) -> None:
-        if self.train not in TRAIN_MODES:
-            raise UsageError(f"--train {self.train!r}: use one of {', '.join(TRAIN_MODES)}")
-        if self.temperature <= 0:
-            raise UsageError(f"--temperature must be positive (got {self.temperature})")
-        for name in ("kl_weight", "lm_weight", "hidden_weight", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)})")
-        if self.kl_weight == self.lm_weight == self.hidden_weight == 0:
-            raise UsageError("every loss weight is 0: nothing to train for (set --kl-weight, --lm-weight or "
-                             "--hidden-weight)")
-        for name in ("lora_rank", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
-        for name in ("max_steps", "eval_every", "save_every"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {v})")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise UsageError(f"--warmup-steps must be 0 or more (got {self.warmup_steps})")
-        if self.lr is not None and self.lr <= 0:
-            raise UsageError(f"--lr must be positive (got {self.lr})")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {self.min_lr_ratio})")
-        if self.bf16 not in ("auto", "on", "off"):
-            raise UsageError(f"--bf16 {self.bf16!r}: use auto, on or off")
-
-    @property
-    def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else (1e-3 if self.train == "lora" else 2e-4)
 
 
 @dataclass

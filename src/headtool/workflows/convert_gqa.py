@@ -3,7 +3,7 @@ and write a standard checkpoint; with several merge methods, the best on held-ou
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
@@ -14,12 +14,8 @@ from ..io.output import check_output_target, write_output
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
-from ..model.loading import load_model
-from ..model.placement import (
-    LoadOptions,
-    require_resident_weights,
-    sequential_placement,
-)
+from ..model.loading import LoadedModel, load_model
+from ..model.placement import require_resident_weights, sequential_placement
 from ..surgery.merging import (
     CONVERT_INSTEAD,
     DATA_METHODS,
@@ -30,32 +26,8 @@ from ..surgery.merging import (
     summary_figures,
 )
 from ..surgery.streaming import open_checkpoint, stream_convert_mean
-
-DEFAULT_CALIBRATION_SAMPLES = 64
-
-
-@dataclass(frozen=True)
-class ConvertRequest:
-    """convert-gqa's options and defaults. `merge` is one method or a comma list to compare;
-    `refit` None means on for fit; `heldout_samples` None means a quarter of the calibration."""
-
-    model: str
-    kv_heads: int
-    output: str | None = None
-    grouping: str = "contiguous"
-    merge: str = "fit"
-    refit: bool | None = None
-    damping: float = 1e-2
-    heldout_samples: int | None = None
-    eval_data: str | None = None
-    eval_samples: int = 32
-    overwrite: bool = False
-    shard_size: str = "5GB"
-    streaming: bool = False
-    sequential: bool = False
-    data: DataSpec = field(default_factory=DataSpec)
-    load: LoadOptions = field(default_factory=LoadOptions)
-
+from .data_plan import eval_spec, with_default_blocks
+from .requests import ConvertRequest
 
 @dataclass
 class ConvertRun:
@@ -89,6 +61,7 @@ def card_table(summary: dict[str, Any]) -> str:
 
 def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     """Check, load, calibrate, merge with every requested method, keep the best, write it."""
+    req.validate()
     methods = _methods(req.merge)
     if req.grouping not in GROUPINGS:
         raise UsageError(f"--grouping {req.grouping!r}: use {' or '.join(GROUPINGS)}")
@@ -113,53 +86,9 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
     check_target(lm.adapter, lm.geometry, req.kv_heads)
     check_output_target(req.output, lm.path, req.overwrite)
-    needs_data = req.grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(req.refit)
-    spec = req.data or DataSpec()
-    if spec.max_samples is None and spec.num_tokens is None:
-        spec = dataclasses.replace(spec, max_samples=DEFAULT_CALIBRATION_SAMPLES)
-    objective = resolve_objective("auto", lm.task)
-    data_task = DATA_TASK[objective]
-    cal = held = grams = None
-    used = 0
-    if needs_data:
-        cal = make_batches(spec, lm.tokenizer, data_task)
-        n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
-        used = cal.info["samples"]
-        if n_held > 0:
-            held = make_batches(dataclasses.replace(spec, max_samples=n_held, num_tokens=None,
-                                                    skip_samples=used), lm.tokenizer, data_task)
-            used += held.info["samples"]
-        info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
-             + (f" ({held.info['samples']} more held out)" if held else ""))
-        grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
-    ev = None
-    if req.eval_data:
-        same = req.eval_data == spec.source
-        ev_spec = DataSpec(source=req.eval_data, seq_len=spec.seq_len, batch_size=spec.batch_size,
-                           max_samples=req.eval_samples, seed=spec.seed, skip_samples=used if same else 0)
-        ev = make_batches(ev_spec, lm.tokenizer, data_task)
-    eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
-
-    before = summary_figures(lm.model, lm.adapter)
-    results: list[dict[str, Any]] = []
-    best = best_key = None
-    for method in methods:
-        do_refit = (method == "fit") if req.refit is None else req.refit
-        info(f"merging: {method}" + (" + sequential output-projection refit" if do_refit and cal else ""))
-        conv = convert_model(lm.model, lm.adapter, req.kv_heads, method=method, grouping=req.grouping, grams=grams,
-                             refit=do_refit and cal is not None, batches=cal.batches if cal else None,
-                             heldout_batches=held.batches if held else None, damping=req.damping,
-                             calib_device=calib_device)
-        row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
-        if held:
-            row["heldout_loss"] = evaluate(conv.model, held.batches, objective, label=f"held-out {method}")["loss"]
-        if ev:
-            row["eval"] = evaluate(conv.model, ev.batches, objective, label=f"eval {method}")
-        key = row["eval"]["loss"] if ev else row.get("heldout_loss", 0.0)
-        results.append(row)
-        if best is None or key < best_key:
-            best, best_key = conv, key
-        del conv
+    done = convert_loaded(lm, req, calib_device=calib_device)
+    best, before, results, eval_before = done.best, done.before, done.results, done.eval_before
+    cal, held, ev, methods = done.calibration, done.heldout, done.evaluation, done.methods
     after = summary_figures(best.model, lm.adapter)
     geo_before = lm.geometry
     summary: dict[str, Any] = {
@@ -189,3 +118,70 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     summary["config_kind"] = written["config_kind"]
     summary["path"] = written["path"]
     return ConvertRun(summary=summary, streamed=None)
+
+
+@dataclass
+class Converted:
+    """What convert_loaded did: the best conversion (not yet installed in the LoadedModel), every
+    method's row, the model's figures before, and the data it used."""
+
+    best: Any
+    methods: list[str]
+    results: list[dict[str, Any]]
+    before: dict[str, Any]
+    eval_before: dict[str, Any] | None
+    calibration: Any
+    heldout: Any
+    evaluation: Any
+
+
+def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None) -> Converted:
+    """Calibrate, merge with every method of req.merge and keep the best: the lowest loss on the
+    held-out calibration blocks when there are any (the --eval-data loss is reported, never used to
+    choose: a figure that chose the model would flatter it), else on --eval-data. `headtool
+    convert-gqa` and recipe steps."""
+    methods = _methods(req.merge)
+    check_target(lm.adapter, lm.geometry, req.kv_heads)
+    needs_data = req.grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(req.refit)
+    spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
+    objective = resolve_objective("auto", lm.task)
+    data_task = DATA_TASK[objective]
+    cal = held = grams = None
+    used = 0
+    if needs_data:
+        cal = make_batches(spec, lm.tokenizer, data_task)
+        n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
+        used = spec.skip_samples + cal.info["samples"]
+        if n_held > 0:
+            held = make_batches(dataclasses.replace(spec, max_samples=n_held, num_tokens=None,
+                                                    skip_samples=used), lm.tokenizer, data_task)
+            used += held.info["samples"]
+        info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
+             + (f" ({held.info['samples']} more held out)" if held else ""))
+        grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
+    ev = None
+    if req.eval_data:
+        ev = make_batches(eval_spec(spec, req.eval_data, req.eval_samples, used)[0], lm.tokenizer, data_task)
+    eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
+
+    before = summary_figures(lm.model, lm.adapter)
+    results: list[dict[str, Any]] = []
+    best = best_key = None
+    for method in methods:
+        do_refit = (method == "fit") if req.refit is None else req.refit
+        info(f"merging: {method}" + (" + sequential output-projection refit" if do_refit and cal else ""))
+        conv = convert_model(lm.model, lm.adapter, req.kv_heads, method=method, grouping=req.grouping, grams=grams,
+                             refit=do_refit and cal is not None, batches=cal.batches if cal else None,
+                             heldout_batches=held.batches if held else None, damping=req.damping,
+                             calib_device=calib_device)
+        row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
+        if held:
+            row["heldout_loss"] = evaluate(conv.model, held.batches, objective, label=f"held-out {method}")["loss"]
+        if ev:
+            row["eval"] = evaluate(conv.model, ev.batches, objective, label=f"eval {method}")
+        key = row["heldout_loss"] if held else (row["eval"]["loss"] if ev else 0.0)
+        results.append(row)
+        if best is None or key < best_key:
+            best, best_key = conv, key
+        del conv
+    return Converted(best, methods, results, before, eval_before, cal, held, ev)

@@ -9,7 +9,6 @@ import torch
 
 from ..console import info
 from ..data.batches import make_batches
-from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..measure.evaluation import (
     evaluate,
@@ -27,18 +26,9 @@ from ..measure.speed import (
     speed_input_ids,
 )
 from ..model.info import model_info
-from ..model.loading import load_model
+from ..model.loading import LoadedModel, load_model
 from ..model.placement import LoadOptions
-
-
-@dataclass(frozen=True)
-class EvalRequest:
-    """Models to compare (deltas are against the first) and the data they are compared on."""
-
-    models: tuple[str, ...]
-    objective: str = "auto"
-    data: DataSpec = field(default_factory=DataSpec)
-    load: LoadOptions = field(default_factory=LoadOptions)
+from .requests import EvalRequest
 
 
 @dataclass(frozen=True)
@@ -57,6 +47,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
 
     Models are loaded one at a time so that only one is in memory.
     """
+    req.validate()
     refs, spec, objective, load_kwargs = req.models, req.data, req.objective, req.load.kwargs()
     if not refs:
         raise UsageError("eval needs at least one MODEL")
@@ -90,6 +81,20 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
                         "kv_cache_bytes_per_token": figures["kv_cache_bytes_per_token"]})
         del lm
     return {"objective": resolved, "data": batches.info, "results": results}
+
+
+def eval_loaded(lm: LoadedModel, req: EvalRequest, original: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Loss / perplexity of a model in memory (and of `original`, its state before the recipe's
+    steps, on the same batches); the recipe's eval step."""
+    objective = resolve_objective(req.objective, lm.task, req.data.label_column)
+    if objective == "kl":
+        raise UsageError("an eval step needs a model with an LM or classification head")
+    if lm.tokenizer is None:
+        raise UsageError(f"{req.models[0] if req.models else 'the model'}: no tokenizer files beside the model")
+    b = make_batches(req.data, lm.tokenizer, DATA_TASK[objective])
+    before = evaluate(original, b.batches, objective, label="eval original") if original is not None else None
+    after = evaluate(lm.model, b.batches, objective, label="eval")
+    return {"objective": objective, "data": b.info, "before": before, "after": after}
 
 
 def run_speed(req: SpeedRequest) -> dict[str, Any]:

@@ -3,52 +3,23 @@ in the student's own format (the training loop itself is `train.healing`)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..data.batches import make_batches
-from ..data.sources import DataSpec
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..measure.evaluation import tokenizers_agree
-from ..model.loading import load_model
-from ..model.placement import LoadOptions, require_resident_weights
+from ..model.loading import LoadedModel, load_model
+from ..model.placement import require_resident_weights
 from ..model.refs import resolve_ref
-from ..train.healing import (
-    STATE_FILE,
-    HealOptions,
-    heal_model,
-    memory_figures,
-    state_folder,
-)
-
-
-@dataclass(frozen=True)
-class HealRequest:
-    """STUDENT healed towards TEACHER on `data`, written to `output`.
-
-    eval_data: None (held-out blocks of `data`, which training skips), a source string or a DataSpec.
-    The training state goes to OUTPUT.heal-state/ and is removed after OUTPUT is written (unless
-    keep_state).
-    """
-
-    student: str
-    teacher: str
-    output: str | os.PathLike
-    opts: HealOptions = field(default_factory=HealOptions)
-    data: DataSpec = field(default_factory=DataSpec)
-    eval_data: str | DataSpec | None = None
-    eval_samples: int = 16
-    load: LoadOptions = field(default_factory=LoadOptions)
-    overwrite: bool = False
-    resume: bool = False
-    keep_state: bool = False
+from ..train.healing import STATE_FILE, HealOptions, heal_model, memory_figures, state_folder
+from .requests import HealRequest
 
 
 OBJECTIVE_OF_TASK = {"causal-lm": "lm", "masked-lm": "mlm"}
@@ -79,13 +50,30 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
     return train, held
 
 
+def heal_batches(req: HealRequest, tokenizer: Any, task: str, world: World = World()):
+    """(training, held-out) batches of a heal; `headtool heal` and recipe steps."""
+    train_spec, held_spec = _data_specs(req.data, req.eval_data, req.eval_samples, req.opts, world)
+    data_task = DATA_TASK_OF_TASK.get(task, "plain")
+    return make_batches(train_spec, tokenizer, data_task), make_batches(held_spec, tokenizer, data_task)
+
+
+def heal_loaded(student: LoadedModel, teacher: torch.nn.Module, req: HealRequest):
+    """Heal a model in memory towards `teacher` (a recipe step: no training state on disk)."""
+    req.validate()
+    if student.tokenizer is None:
+        raise UsageError("heal needs the model's tokenizer to read --data")
+    train, held = heal_batches(req, student.tokenizer, student.task)
+    return heal_model(student.model, teacher, student.adapter, train.batches, held.batches, req.opts,
+                      objective=OBJECTIVE_OF_TASK.get(student.task))
+
+
 def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None] | None = None
              ) -> dict[str, Any]:
     """Load STUDENT and TEACHER, heal, and write OUTPUT in the student's own format; returns the result.
 
     The training state is saved every `save_every` steps. Safe to call from every rank of a torchrun job.
     """
-    req.opts.validate()
+    req.validate()
     if req.eval_samples < 1:
         raise UsageError(f"--eval-samples must be at least 1 (got {req.eval_samples})")
     world = world_from_env()
@@ -118,10 +106,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
                          "the same head (or both headless)")
     objective = OBJECTIVE_OF_TASK.get(student.task)
-    train_spec, held_spec = _data_specs(req.data, req.eval_data, req.eval_samples, req.opts, world)
-    data_task = DATA_TASK_OF_TASK.get(student.task, "plain")
-    train = make_batches(train_spec, tok, data_task)
-    held = make_batches(held_spec, tok, data_task)
+    train, held = heal_batches(req, tok, student.task, world)
     out_dtype = next(student.model.parameters()).dtype
     student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
     identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,

@@ -2,7 +2,7 @@
 or listed) and write a checkpoint that reloads; optionally refit the output projections."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..console import info
@@ -15,11 +15,8 @@ from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import read_scores
 from ..measure.scoring import DATA_METHODS, score_heads
 from ..model.loading import load_model
-from ..model.placement import (
-    LoadOptions,
-    require_resident_weights,
-    sequential_placement,
-)
+from ..model.loading import LoadedModel
+from ..model.placement import require_resident_weights, sequential_placement
 from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, prune
 from ..surgery.selection import (
     Target,
@@ -29,39 +26,8 @@ from ..surgery.selection import (
     selection_from_removed,
 )
 from ..surgery.streaming import prune_checkpoint_streaming
-
-
-@dataclass(frozen=True)
-class PruneRequest:
-    """prune's options and defaults. Heads come from `scores` (a document or '-'), `heads` (an
-    explicit list) or, with `data` and neither, from scoring now with `method`."""
-
-    model: str
-    output: str | None = None
-    scores: str | None = None
-    heads: str | None = None
-    method: str = "gradient"
-    objective: str = "auto"
-    fraction: float | None = None
-    num_heads: int | None = None
-    threshold: float | None = None
-    scope: str = "global"
-    min_heads: int = 1
-    unit: str = "query"
-    compensate: bool = False
-    choose_in_layer: str = "auto"
-    refit_layers: str = "pruned"
-    damping: float = 1e-2
-    heldout_samples: int = 0
-    eval_data: str | None = None
-    eval_samples: int = 32
-    dry_run: bool = False
-    overwrite: bool = False
-    shard_size: str = "5GB"
-    streaming: bool = False
-    sequential: bool = False
-    data: DataSpec | None = None
-    load: LoadOptions = field(default_factory=LoadOptions)
+from .data_plan import eval_spec, with_default_blocks
+from .requests import PruneRequest
 
 
 @dataclass
@@ -79,6 +45,7 @@ class PruneRun:
 
 def run_prune(req: PruneRequest) -> PruneRun:
     """Check, load, choose the heads, prune (and refit), write; nothing is written on --dry-run."""
+    req.validate()
     given = [n for n, v in (("--scores", req.scores), ("--heads", req.heads)) if v is not None]
     if len(given) > 1:
         raise UsageError("give either --scores or --heads, not both")
@@ -95,9 +62,9 @@ def run_prune(req: PruneRequest) -> PruneRun:
         if not given or req.compensate or req.eval_data or req.dry_run:
             raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
                              "--compensate, --eval-data or --dry-run")
-        target = None if req.heads is not None else _target(req)
+        target = None if req.heads is not None else prune_target(req)
         written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
-                                             target=target, min_heads=req.min_heads, overwrite=req.overwrite,
+                                             target=target, min_heads=req.min_heads_per_layer, overwrite=req.overwrite,
                                              shard_size=req.shard_size, trust_remote_code=req.load.trust_remote_code)
         return PruneRun(streamed=written)
     load, calib_device = sequential_placement(req.load, req.sequential)
@@ -107,31 +74,15 @@ def run_prune(req: PruneRequest) -> PruneRun:
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
     if not req.dry_run:
         check_output_target(req.output, lm.path, req.overwrite)
-    geometry = lm.geometry
-    target = None
-    if req.heads is not None:
-        selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads)
-    else:
-        target = _target(req)
-        check_target(target, geometry)
-    needs_tokens = req.data is not None or req.eval_data is not None
-    if needs_tokens and lm.tokenizer is None:
-        raise UsageError(f"{req.model}: no tokenizer files beside the model; --data / --eval-data need them")
-    score_info: dict = {}
-    if target is not None:
-        matrix, score_info = _scores(lm, req.scores, req.data, req.method, req.objective)
-        selection = select_heads(matrix, geometry, target)
-    calib, heldout, eval_batches, eval_objective, eval_info = _data(
-        lm, req.data, req.compensate, req.heldout_samples, req.eval_data, req.eval_samples, req.objective)
-    result = prune(lm, selection, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
-                   compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
-                   damping=req.damping, eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
+    done = prune_loaded(lm, req, calib_device=calib_device)
+    result, target, score_info, eval_info = done.result, done.target, done.score_info, done.eval_info
+    spec = done.data
     kind = output_kind(lm.model)
     summary = result.summary()
     options = {"target": target.describe() if target else None, "heads": req.heads, "compensate": req.compensate,
                "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
                "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
-               "calibration_data": (calib_info(lm, req.data) if req.compensate else None), "dtype": load.dtype}
+               "calibration_data": (calib_info(lm, spec) if req.compensate else None), "dtype": load.dtype}
     meta = {"operation": "prune", "method": score_info.get("method", "explicit" if req.heads else None),
             "scores": score_info or None, "options": options,
             "kept_heads": [list(k) for k in result.selection.kept],
@@ -150,9 +101,51 @@ def run_prune(req: PruneRequest) -> PruneRun:
     return PruneRun(result=result, config_kind=kind, eval_info=eval_info, written=written, report=report)
 
 
-def _target(req: PruneRequest) -> Target:
+@dataclass
+class Pruned:
+    """What prune_loaded did: the result, the target (None for explicit heads), where the scores
+    came from, the evaluation data and the calibration spec it used."""
+
+    result: PruneResult
+    target: Target | None
+    score_info: dict
+    eval_info: dict | None
+    data: DataSpec | None
+
+
+def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
+                 scores: list[list[float]] | None = None) -> Pruned:
+    """Choose the heads (listed, from `scores`, from req.scores or by scoring now on req.data),
+    prune them in place (refitting with req.compensate); `headtool prune` and recipe steps."""
+    geometry = lm.geometry
+    spec = with_default_blocks(req.data, req.default_blocks)
+    target = None
+    if req.heads is not None:
+        selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer)
+    else:
+        target = prune_target(req)
+        check_target(target, geometry)
+    needs_tokens = spec is not None or req.eval_data is not None
+    if needs_tokens and lm.tokenizer is None:
+        raise UsageError(f"{req.model}: no tokenizer files beside the model; --data / --eval-data need them")
+    score_info: dict = {}
+    if target is not None:
+        if scores is not None:
+            matrix, score_info = scores, {"from": "an earlier score step"}
+        else:
+            matrix, score_info = _scores(lm, req.scores, spec, req.method, req.objective)
+        selection = select_heads(matrix, geometry, target)
+    calib, heldout, eval_batches, eval_objective, eval_info = _data(
+        lm, spec, req.compensate, req.heldout_samples, req.eval_data, req.eval_samples, req.objective)
+    result = prune(lm, selection, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
+                   compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
+                   damping=req.damping, eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
+    return Pruned(result, target, score_info, eval_info, spec)
+
+
+def prune_target(req: PruneRequest) -> Target:
     return Target(fraction=req.fraction, num_heads=req.num_heads, threshold=req.threshold, scope=req.scope,
-                  min_heads_per_layer=req.min_heads, unit=req.unit)
+                  min_heads_per_layer=req.min_heads_per_layer, unit=req.unit)
 
 
 def calib_info(lm, spec) -> dict | None:
@@ -199,15 +192,9 @@ def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | Non
         eval_objective = resolve_objective(objective, lm.task, None)
         if eval_objective == "kl":
             raise UsageError("--eval-data needs a model with an LM head (there is no loss to report otherwise)")
-        base = spec if spec is not None else DataSpec(source=eval_data)
-        skip = used if (spec is not None and eval_data == spec.source) else 0
-        if spec is not None and eval_data == spec.source and spec.max_samples is None:
-            raise UsageError("--eval-data is the same source as --data: give --max-samples so the evaluation "
-                             "blocks can be held out from it")
-        espec = replace(base, source=eval_data, max_samples=eval_samples, skip_samples=skip, label_column=None)
-        if spec is not None and eval_data != spec.source:  # another source: its own columns and split
-            espec = replace(espec, split=None, text_column=None)
+        espec, skip = eval_spec(spec, eval_data, eval_samples, used)
         eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective])
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
     return calib, heldout, eval_batches, eval_objective, eval_info
+

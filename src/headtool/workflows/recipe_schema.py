@@ -1,12 +1,16 @@
 """Recipes: a declared pipeline (model, data, steps) in YAML, validated whole before anything runs.
 
 Every problem is reported at once with its YAML location (file:line:col); values can be
-overridden from the command line (`--set steps.1.fraction=0.4`). Step options are the
-commands' options; the executors live in `headtool.workflows.recipe_runner`.
+overridden from the command line (`--set steps.1.fraction=0.4`). A step's keys are its
+command's options, derived from the same request dataclass (`workflows.requests`): the same
+names (underscores for dashes), types, allowed values and defaults; the options that concern a
+whole run (model loading, output, overwrite, shard_size, sequential) are top-level keys. The
+executors live in `headtool.workflows.recipe_runner`.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +18,11 @@ from typing import Any, Callable
 
 import yaml
 
+from ..data.sources import DataSpec
 from ..errors import UsageError
+from ..optionspec import STEP, Opt, options_of, problem
+from ..train.options import HealOptions
+from .requests import ConvertRequest, EvalRequest, HealRequest, PruneRequest, ScoreRequest
 
 # --------------------------------------------------------------------------- schema
 Check = Callable[[Any], str | None]  # returns a problem or None
@@ -34,15 +42,6 @@ def _enum(*values: str) -> Check:
     return check
 
 
-def _enum_list(*values: str) -> Check:
-    """One value or a comma-separated list / YAML list of values (e.g. merge: mean,aligned)."""
-    def check(v: Any) -> str | None:
-        items = v if isinstance(v, list) else str(v).split(",")
-        bad = [x for x in items if str(x).strip() not in values]
-        return None if not bad else f"must be among {', '.join(values)}, got {bad}"
-    return check
-
-
 def _int_min(lo: int) -> Check:
     def check(v: Any) -> str | None:
         return None if isinstance(v, int) and not isinstance(v, bool) and v >= lo else \
@@ -50,51 +49,51 @@ def _int_min(lo: int) -> Check:
     return check
 
 
-def _open_unit(v: Any) -> str | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1
-    return None if ok else f"must be a number in (0, 1), got {v!r}"
-
-
-def _positive(v: Any) -> str | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-    return None if ok else f"must be a positive number, got {v!r}"
-
-
 _STR = _type(str, what="a string")
 _BOOL = _type(bool, what="true or false")
-_NUM = _type(int, float, what="a number")
-
-DATA_KEYS: dict[str, Check] = {
-    "source": _STR, "split": _STR, "text_column": _STR, "label_column": _STR,
-    "seq_len": _int_min(2), "batch_size": _int_min(1), "max_samples": _int_min(1),
-    "num_tokens": _int_min(1), "seed": _int_min(0), "skip_samples": _int_min(0),
-}
 _DATA = "data"  # marker: a nested data block
+_DATA_OR_SOURCE = "data or source"  # marker: a data block, or a source string
 
-STEP_KEYS: dict[str, dict[str, Check | str]] = {
-    "score": {"method": _enum("gradient", "ablation", "taylor", "magnitude", "random"),
-              "objective": _enum("auto", "lm", "mlm", "classification", "kl"),
-              "normalize": _enum("layer", "none"), "iterative": _int_min(1),
-              "data": _DATA, "output": _STR},
-    "prune": {"fraction": _open_unit, "num_heads": _int_min(1), "threshold": _NUM,
-              "scope": _enum("global", "layer"), "min_heads_per_layer": _int_min(0),
-              "unit": _enum("query", "group"), "heads": _STR, "compensate": _BOOL,
-              "damping": _positive, "method": _enum("gradient", "ablation", "taylor", "magnitude", "random"),
-              "objective": _enum("auto", "lm", "mlm", "classification", "kl"),
-              "data": _DATA, "eval_data": _DATA},
-    "convert_gqa": {"kv_heads": _int_min(1), "grouping": _enum("contiguous", "similarity"),
-                    "merge": _enum_list("mean", "aligned", "fit"), "data": _DATA, "eval_data": _DATA},
-    "eval": {"data": _DATA, "objective": _enum("auto", "lm", "mlm", "classification")},
-    "heal": {"max_steps": _int_min(1), "num_tokens": _int_min(1), "lr": _positive, "temperature": _positive,
-             "train": _enum("attention", "all", "lora"), "lm_weight": _NUM, "hidden_weight": _NUM,
-             "grad_accum": _int_min(1), "warmup_steps": _int_min(0), "data": _DATA, "eval_data": _DATA},
+#: recipe step -> its request class and the nested option dataclasses whose keys it also takes
+STEP_REQUESTS: dict[str, tuple[type, dict[str, type]]] = {
+    "score": (ScoreRequest, {}),
+    "prune": (PruneRequest, {}),
+    "convert_gqa": (ConvertRequest, {}),
+    "eval": (EvalRequest, {}),
+    "heal": (HealRequest, {"opts": HealOptions}),
 }
+
+
+def _opt_check(opt: Opt) -> Check:
+    return lambda v: problem(opt, v)
+
+
+def step_options(name: str) -> dict[str, Opt]:
+    """The options a recipe step takes as its own keys: its command's, less the whole-recipe ones."""
+    cls, nested = STEP_REQUESTS[name]
+    opts = [o for o in options_of(cls)] + [o for c in nested.values() for o in options_of(c)]
+    return {o.name: o for o in opts if o.where == STEP}
+
+
+def _step_schema(name: str) -> dict[str, Check | str]:
+    schema: dict[str, Check | str] = {}
+    for key, opt in step_options(name).items():
+        schema[key] = _DATA_OR_SOURCE if isinstance(opt.type, tuple) and DataSpec in opt.type else _opt_check(opt)
+    cls, _ = STEP_REQUESTS[name]
+    if any(f.name == "data" for f in dataclasses.fields(cls)):
+        schema["data"] = _DATA
+    return schema
+
+
+DATA_KEYS: dict[str, Check] = {o.name: _opt_check(o) for o in options_of(DataSpec)}
+STEP_KEYS: dict[str, dict[str, Check | str]] = {name: _step_schema(name) for name in STEP_REQUESTS}
 STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads")}
 
 TOP_KEYS: dict[str, Check | str] = {
     "name": _STR, "description": _STR, "model": _STR, "dtype": _enum("auto", "float32", "bfloat16", "float16"),
     "device": _STR, "seed": _int_min(0), "trust_remote_code": _BOOL, "data": _DATA, "output": _STR,
-    "overwrite": _BOOL, "sequential": _BOOL, "device_map": _STR, "max_memory": _STR, "steps": "steps",
+    "overwrite": _BOOL, "shard_size": _STR, "sequential": _BOOL, "device_map": _STR, "max_memory": _STR,
+    "steps": "steps",
 }
 
 
@@ -215,17 +214,22 @@ def _check_block(block: Any, schema: dict[str, Check | str], where: str, recipe:
         check = schema.get(key)
         if check is None and key != "step":
             problems.append(f"{recipe.where(dotted)}: {dotted}: unknown key (known: {', '.join(sorted(schema))})")
-        elif check == _DATA:
+        elif check == _DATA_OR_SOURCE and isinstance(value, str):
+            _check_source(value, dotted, recipe, problems)
+        elif check in (_DATA, _DATA_OR_SOURCE):
             _check_block(value, DATA_KEYS, dotted, recipe, problems)
             if isinstance(value, dict) and isinstance(value.get("source"), str):
-                src = value["source"]
-                if src not in ("-",) and not src.startswith("builtin:") and _looks_local(src) \
-                        and not Path(os.path.expanduser(src)).exists():
-                    problems.append(f"{recipe.where(dotted + '.source')}: {dotted}.source: file not found: {src}")
+                _check_source(value["source"], dotted + ".source", recipe, problems)
         elif callable(check) and value is not None:
             msg = check(value)
             if msg:
                 problems.append(f"{recipe.where(dotted)}: {dotted}: {msg}")
+
+
+def _check_source(src: str, dotted: str, recipe: Recipe, problems: list[str]) -> None:
+    if src not in ("-",) and not src.startswith("builtin:") and _looks_local(src) \
+            and not Path(os.path.expanduser(src)).exists():
+        problems.append(f"{recipe.where(dotted)}: {dotted}: file not found: {src}")
 
 
 def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], None] | None = None) -> None:
@@ -258,8 +262,9 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
         if name in STEP_TARGETS and len(targets) != 1:
             problems.append(f"{recipe.where(where)}: {where}: give exactly one target of "
                             f"{', '.join(STEP_TARGETS[name])} (got {targets or 'none'})")
-        if name == "convert_gqa" and "kv_heads" not in step:
-            problems.append(f"{recipe.where(where)}: {where}.kv_heads: required")
+        for key, opt in step_options(name).items():
+            if opt.required and key not in step:
+                problems.append(f"{recipe.where(where)}: {where}.{key}: required")
     if geometry_check is not None and not problems:
         geometry_check(recipe, problems)
     if problems:

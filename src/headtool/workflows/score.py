@@ -2,51 +2,19 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
 from ..data.batches import make_batches
-from ..data.sources import DataSpec
 from ..distributed import finish, init_from_env, is_main, launched
 from ..errors import UsageError
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import build_document
-from ..measure.scoring import (
-    DATA_METHODS,
-    METHODS,
-    ScoreResult,
-    check_method,
-    resolve_normalize,
-    score_heads,
-)
-from ..model.loading import load_model
-from ..model.placement import LoadOptions
-
-
-@dataclass(frozen=True)
-class ScoreRequest:
-    """What to score and how; `data` is used by the data-driven methods only."""
-
-    model: str
-    method: str = "gradient"
-    objective: str = "auto"
-    normalize: str = "auto"
-    iterative: int = 0
-    fraction: float | None = None
-    iterative_fraction: float | None = None
-    ablation_batch: int | None = None
-    data: DataSpec = field(default_factory=DataSpec)
-    load: LoadOptions = field(default_factory=LoadOptions)
-
-    def validate(self) -> None:
-        """Problems visible before any model is loaded."""
-        if self.method not in METHODS:
-            raise UsageError(f"unknown --method {self.method!r}; use one of {', '.join(METHODS)}")
-        resolve_normalize(self.normalize, self.method)
-        if (self.fraction is not None or self.iterative_fraction is not None) and not self.iterative:
-            raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final "
-                             "fraction)")
+from ..measure.scoring import DATA_METHODS, ScoreResult, check_method, resolve_normalize, score_heads
+from ..model.loading import LoadedModel, load_model
+from .data_plan import with_default_blocks
+from .requests import ScoreRequest
 
 
 @dataclass
@@ -57,14 +25,34 @@ class ScoreRun:
     result: ScoreResult
     objective: str | None
     normalize: str
+    data: Any = None  # the DataSpec it read
+    batches_info: dict[str, Any] | None = None
 
 
 def run_score(req: ScoreRequest) -> ScoreRun:
     """Load, score (data-parallel when launched by torchrun/accelerate) and build the document."""
     req.validate()
-    spec = req.data
+    resolve_normalize(req.normalize, req.method)
     lm = load_model(req.model, **req.load.kwargs())
     init_from_env(lm.device)
+    run = score_loaded(lm, req)
+    spec = run.data
+    options = {"seed": spec.seed, "iterative": req.iterative, "fraction": req.fraction,
+               "iterative_fraction": req.iterative_fraction, "dtype": req.load.dtype, "device": str(lm.device)}
+    if launched():
+        options["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        main_rank = is_main()
+        finish()
+        if not main_rank:
+            return run  # rank 0 alone writes and prints
+    run.document = build_document(lm, run.result, run.batches_info, options)
+    return run
+
+
+def score_loaded(lm: LoadedModel, req: ScoreRequest) -> ScoreRun:
+    """Score the heads of a loaded model (the document is built by the caller); `headtool score`
+    and recipe steps."""
+    spec = with_default_blocks(req.data, req.default_blocks)
     batches = None
     resolved = None
     if req.method in DATA_METHODS:
@@ -86,13 +74,4 @@ def run_score(req: ScoreRequest) -> ScoreRun:
                          objective=resolved, normalize=norm, iterative=req.iterative, fraction=req.fraction,
                          iterative_fraction=req.iterative_fraction, seed=spec.seed,
                          ablation_chunk=req.ablation_batch, label=f"score {req.model}")
-    options = {"seed": spec.seed, "iterative": req.iterative, "fraction": req.fraction,
-               "iterative_fraction": req.iterative_fraction, "dtype": req.load.dtype, "device": str(lm.device)}
-    if launched():
-        options["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
-        main_rank = is_main()
-        finish()
-        if not main_rank:
-            return ScoreRun(None, result, resolved, norm)  # rank 0 alone writes and prints
-    doc = build_document(lm, result, batches.info if batches else None, options)
-    return ScoreRun(doc, result, resolved, norm)
+    return ScoreRun(None, result, resolved, norm, spec, batches.info if batches else None)

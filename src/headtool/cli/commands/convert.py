@@ -1,19 +1,13 @@
 """`headtool convert-gqa`: merge K/V heads into N groups and write a standard checkpoint."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Any
 
 import typer
 
 from ...console import err_console, info, print_json
-from ..options import (
-    MODEL_HELP,
-    JsonOpt,
-    LoadOptions,
-    SequentialOpt,
-    data_options,
-    model_options,
-)
+from ...workflows.requests import ConvertRequest
+from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
 
 def _kv_rows(before: list[int], after: list[int]) -> list[tuple[str, str]]:
@@ -67,31 +61,9 @@ def _tables(summary: dict[str, Any]):
     return t, m
 
 
-def convert_gqa_cmd(
-    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
-    kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads per layer after merging (1 = MQA)")],
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help="output folder")] = None,
-    grouping: Annotated[str, typer.Option("--grouping", help="contiguous | similarity (needs --data)")] = "contiguous",
-    merge: Annotated[str, typer.Option("--merge", help="mean | aligned | fit, or a comma list to compare "
-                                                       "(the best is written)")] = "fit",
-    refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sequential output-projection "
-                                                  "refit (default: on for fit)")] = None,
-    damping: Annotated[float, typer.Option("--damping", help="ridge damping of the refit, relative")] = 1e-2,
-    heldout_samples: Annotated[Optional[int], typer.Option(
-        "--heldout-samples", help="calibration blocks held out to check each refit (default: a quarter)")] = None,
-    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help="data to measure loss before/after "
-                                                     "(blocks disjoint from calibration when it is the same source)")] = None,
-    eval_samples: Annotated[int, typer.Option("--eval-samples", help="blocks of --eval-data")] = 32,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
-    shard_size: Annotated[str, typer.Option("--shard-size", help="largest safetensors shard")] = "5GB",
-    streaming: Annotated[bool, typer.Option(
-        "--streaming", help="work shard by shard on the safetensors files, never building the model "
-                            "(checkpoints larger than memory; --merge mean with contiguous grouping)")] = False,
-    sequential: SequentialOpt = False,
-    json_out: JsonOpt = False,
-    load: LoadOptions = LoadOptions(),
-    data_spec=None,
-) -> None:
+@command_options(ConvertRequest)
+def convert_gqa_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(),
+                    data_spec=None) -> None:
     """Merge K/V heads into --kv-heads groups (MHA to GQA, GQA to fewer groups, to MQA).
 
     Calibration (--data, default builtin:pydoc, 64 blocks) drives similarity grouping and the
@@ -101,12 +73,9 @@ def convert_gqa_cmd(
     --eval-data builtin:pydoc -o smollm2-mqa
     """
     from ...data.sources import DataSpec
-    from ...workflows.convert_gqa import ConvertRequest, run_convert_gqa
+    from ...workflows.convert_gqa import run_convert_gqa
 
-    run = run_convert_gqa(ConvertRequest(
-        model, kv_heads, output=output, grouping=grouping, merge=merge, refit=refit, damping=damping,
-        heldout_samples=heldout_samples, eval_data=eval_data, eval_samples=eval_samples, overwrite=overwrite,
-        shard_size=shard_size, streaming=streaming, sequential=sequential, data=data_spec or DataSpec(), load=load))
+    run = run_convert_gqa(ConvertRequest(**fields, data=data_spec or DataSpec(), load=load))
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
         if json_out:

@@ -1,81 +1,16 @@
 """`headtool prune`: remove attention heads physically and write a checkpoint that reloads."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
 import typer
 
-from ..options import (
-    MODEL_HELP,
-    JsonOpt,
-    LoadOptions,
-    SequentialOpt,
-    data_options,
-    model_options,
-)
+from ...workflows.requests import PruneRequest
+from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
 
 @model_options
 @data_options(default=None)
-def prune_cmd(
-    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="output folder (written atomically)")] = None,
-    scores: Annotated[Optional[str], typer.Option(
-        "--scores", help="score document from `headtool score` (a file, or - for stdin)", rich_help_panel="Heads")] = None,
-    heads: Annotated[Optional[str], typer.Option(
-        "--heads", help='explicit heads to remove, layer:heads;... e.g. "3:0,5;7:2"', rich_help_panel="Heads")] = None,
-    method: Annotated[str, typer.Option(
-        "--method", help="with --data and no --scores: scoring method (gradient, ablation, taylor, fisher, "
-                         "magnitude, random)", rich_help_panel="Heads")] = "gradient",
-    objective: Annotated[str, typer.Option(
-        "--objective", help="auto | lm | mlm | classification | kl (scoring and --eval-data)",
-        rich_help_panel="Heads")] = "auto",
-    fraction: Annotated[Optional[float], typer.Option(
-        "--fraction", help="fraction of query heads to remove, in (0, 1)", rich_help_panel="Target")] = None,
-    num_heads: Annotated[Optional[int], typer.Option(
-        "--num-heads", help="number of query heads to remove", rich_help_panel="Target")] = None,
-    threshold: Annotated[Optional[float], typer.Option(
-        "--threshold", help="remove heads scoring below this", rich_help_panel="Target")] = None,
-    scope: Annotated[str, typer.Option(
-        "--scope", help="global (rank all heads together) | layer (same number from every layer)",
-        rich_help_panel="Target")] = "global",
-    min_heads: Annotated[int, typer.Option(
-        "--min-heads-per-layer", help="query heads every layer keeps at least", rich_help_panel="Target")] = 1,
-    unit: Annotated[str, typer.Option(
-        "--unit", help="GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV groups)",
-        rich_help_panel="Target")] = "query",
-    compensate: Annotated[bool, typer.Option(
-        "--compensate", help="refit each pruned layer's output projection by least squares on --data "
-                             "(sequential calibration)", rich_help_panel="Compensation")] = False,
-    choose_in_layer: Annotated[str, typer.Option(
-        "--choose-in-layer", help="auto | scores | refit: which heads go inside a layer (refit: the least "
-                                  "error after the refit; auto = refit with --compensate)",
-        rich_help_panel="Compensation")] = "auto",
-    refit_layers: Annotated[str, typer.Option(
-        "--refit-layers", help="pruned | all (also refit unpruned layers to undo earlier layers' drift)",
-        rich_help_panel="Compensation")] = "pruned",
-    damping: Annotated[float, typer.Option(
-        "--damping", help="ridge damping, relative to the mean diagonal of the Gram matrix",
-        rich_help_panel="Compensation")] = 1e-2,
-    heldout_samples: Annotated[int, typer.Option(
-        "--heldout-samples", help="blocks after the calibration data on which each refit must lower the "
-                                  "error to be kept (0: no check)", min=0, rich_help_panel="Compensation")] = 0,
-    eval_data: Annotated[Optional[str], typer.Option(
-        "--eval-data", help="measure loss / perplexity before and after on this data (held out from --data "
-                            "when it is the same source)", rich_help_panel="Evaluation")] = None,
-    eval_samples: Annotated[int, typer.Option(
-        "--eval-samples", help="blocks for --eval-data", min=1, rich_help_panel="Evaluation")] = 32,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="plan and summary; nothing written")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
-    shard_size: Annotated[str, typer.Option("--shard-size", help="largest safetensors shard")] = "5GB",
-    streaming: Annotated[bool, typer.Option(
-        "--streaming", help="work shard by shard on the safetensors files, never building the model "
-                            "(checkpoints larger than memory; needs --scores or --heads, no --compensate)")] = False,
-    sequential: SequentialOpt = False,
-    json_out: JsonOpt = False,
-    load: LoadOptions = LoadOptions(),
-    data_spec=None,
-) -> None:
+@command_options(PruneRequest)
+def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(), data_spec=None) -> None:
     """Remove attention heads (chosen from scores or listed) and write a smaller checkpoint.
 
     Examples:
@@ -84,21 +19,16 @@ def prune_cmd(
       headtool prune m --heads "3:0,5;7:2" -o out
     """
     from ...console import err_console, info, print_json
-    from ...workflows.prune import PruneRequest, run_prune
+    from ...workflows.prune import run_prune
 
-    run = run_prune(PruneRequest(
-        model, output=output, scores=scores, heads=heads, method=method, objective=objective, fraction=fraction,
-        num_heads=num_heads, threshold=threshold, scope=scope, min_heads=min_heads, unit=unit,
-        compensate=compensate, choose_in_layer=choose_in_layer, refit_layers=refit_layers, damping=damping,
-        heldout_samples=heldout_samples, eval_data=eval_data, eval_samples=eval_samples, dry_run=dry_run,
-        overwrite=overwrite, shard_size=shard_size, streaming=streaming, sequential=sequential, data=data_spec,
-        load=load))
+    req = PruneRequest(**fields, data=data_spec, load=load)
+    run = run_prune(req)
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
         if json_out:
             print_json(run.streamed)
         return
-    _render(err_console(), model, run.result, run.config_kind, run.eval_info, run.written, dry_run)
+    _render(err_console(), req.model, run.result, run.config_kind, run.eval_info, run.written, req.dry_run)
     if json_out:
         print_json(run.report)
     elif run.written:

@@ -7,39 +7,17 @@ from typing import Annotated, Optional
 import typer
 
 from ...errors import UsageError
-from ..options import MODEL_HELP, LoadOptions, data_options, model_options
-
-METHOD_HELP = ("gradient (default, Michel et al.) | ablation (exact loss increase) | taylor (TextPruner) | "
-               "fisher (Kwon et al.) | magnitude (weights, no data) | random (seeded baseline)")
+from ...workflows.requests import ScoreRequest
+from ..options import LoadOptions, command_options, data_options, model_options
 
 
 @model_options
 @data_options()
+@command_options(ScoreRequest)
 def score_cmd(
-    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
-    method: Annotated[str, typer.Option("--method", "-m", help=METHOD_HELP)] = "gradient",
-    objective: Annotated[str, typer.Option(
-        "--objective", help="auto | lm | mlm | classification | kl (divergence from the model's own outputs; "
-                            "any model, headless encoders too)")] = "auto",
-    normalize: Annotated[str, typer.Option(
-        "--normalize", help="auto | layer (per-layer L2, Michel) | none; auto = layer for gradient, taylor "
-                            "and fisher, none otherwise. raw_scores are always kept")] = "auto",
-    iterative: Annotated[int, typer.Option(
-        "--iterative", help="K rounds of: score, gate off the weakest heads, re-score (Michel); "
-                            "records removal_order", min=0)] = 0,
-    fraction: Annotated[Optional[float], typer.Option(
-        "--fraction", help="with --iterative: fraction of all heads gated off over the K rounds "
-                           "(default 0.5, spread evenly)")] = None,
-    iterative_fraction: Annotated[Optional[float], typer.Option(
-        "--iterative-fraction", help="with --iterative: fraction of all heads gated off after each round "
-                                     "(instead of --fraction)")] = None,
-    output: Annotated[Optional[str], typer.Option(
-        "--output", "-o", help="write the score document here (atomically); default: stdout")] = None,
     plot: Annotated[Optional[str], typer.Option(
         "--plot", help="save the heatmap as a picture, e.g. scores.png (needs matplotlib)")] = None,
-    ablation_batch: Annotated[Optional[int], typer.Option(
-        "--ablation-batch", help="heads evaluated together in one batched ablation pass (default: as many "
-                                 "as fit in about 1 GiB of activations)", min=1)] = None,
+    fields=None,
     load: LoadOptions = LoadOptions(),
     data_spec=None,
 ) -> None:
@@ -52,13 +30,12 @@ def score_cmd(
     from ...console import err_console, info
     from ...data.sources import DataSpec
     from ...measure.scores_doc import write_document
-    from ...workflows.score import ScoreRequest, run_score
+    from ...workflows.score import run_score
     from ..render import heatmap_table
 
-    req = ScoreRequest(model, method=method, objective=objective, normalize=normalize, iterative=iterative,
-                       fraction=fraction, iterative_fraction=iterative_fraction, ablation_batch=ablation_batch,
-                       data=data_spec or DataSpec(), load=load)
+    req = ScoreRequest(**fields, data=data_spec or DataSpec(), load=load)
     req.validate()
+    model, output = req.model, req.output
     if output and output != "-":
         _check_writable(output, "-o")
     if plot:

@@ -1,0 +1,76 @@
+"""How to heal: the options of the distillation loop, declared once for `headtool heal` and recipes.
+
+Torch-free, so that the CLI can derive its options at start-up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..optionspec import CLI_ONLY, option
+
+TRAIN_MODES = ("attention", "all", "lora")
+_T, _L, _E = "Training", "Loss", "Evaluation and state"
+
+
+@dataclass(frozen=True)
+class HealOptions:
+    """How to heal. Defaults suit a short heal of a few hundred steps."""
+
+    train: str = option("attention", "what trains: attention (the attention projections) | all | lora (low-rank "
+                        "updates of the attention projections, merged at the end)", choices=TRAIN_MODES, panel=_T)
+    lora_rank: int = option(8, "rank of the low-rank updates (--train lora)", min=1, panel=_T)
+    lora_alpha: float = option(16.0, "scale alpha (update = alpha/rank * B A)", panel=_T)
+    temperature: float = option(1.0, "softmax temperature of the KL term", above=0, panel=_L)
+    kl_weight: float = option(1.0, "weight of the distillation term (KL of logits; hidden states for headless "
+                              "models)", min=0, panel=_L)
+    lm_weight: float = option(0.0, "weight of the student's own LM / MLM loss", min=0, panel=_L)
+    hidden_weight: float = option(0.0, "weight of final hidden-state matching", min=0, panel=_L)
+    lr: float | None = option(None, "peak learning rate [default: 2e-4; 1e-3 for lora]", above=0, panel=_T)
+    weight_decay: float = option(0.0, "AdamW weight decay", min=0, panel=_T)
+    warmup_steps: int | None = option(None, "linear warmup steps [default: 5% of the steps]", min=0, panel=_T)
+    min_lr_ratio: float = option(0.1, "cosine decay ends at lr times this", min=0, panel=_T)
+    max_steps: int | None = option(None, "optimizer steps [default: one pass over the data; --num-tokens caps "
+                                   "the data]", min=1, panel=_T)
+    grad_accum: int = option(1, "batches per optimizer step", min=1, panel=_T)
+    max_grad_norm: float = option(1.0, "gradient clipping (0 = off)", min=0, panel=_T)
+    seed: int = 0  # the data's --seed (not an option of its own)
+    bf16: str = option("auto", "bf16 autocast: auto (on CUDA) | on | off", choices=("auto", "on", "off"), panel=_T)
+    eval_every: int | None = option(None, "evaluate every N steps [default: 10 times a run]", min=1, panel=_E)
+    save_every: int | None = option(None, "save the training state to OUT.heal-state/ every N steps [default: "
+                                    "at every evaluation]", min=1, panel=_E, where=CLI_ONLY,
+                                    why="a recipe heals in memory and keeps no resumable state")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward (less memory)", panel=_T)
+    keep_best: bool = option(True, "write the weights of the best held-out evaluation, or of the last step",
+                             flags=("--keep-best/--keep-last",), panel=_E)
+
+    def validate(self) -> None:
+        if self.train not in TRAIN_MODES:
+            raise UsageError(f"--train {self.train!r}: use one of {', '.join(TRAIN_MODES)}")
+        if self.temperature <= 0:
+            raise UsageError(f"--temperature must be positive (got {self.temperature})")
+        for name in ("kl_weight", "lm_weight", "hidden_weight", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)})")
+        if self.kl_weight == self.lm_weight == self.hidden_weight == 0:
+            raise UsageError("every loss weight is 0: nothing to train for (set --kl-weight, --lm-weight or "
+                             "--hidden-weight)")
+        for name in ("lora_rank", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        for name in ("max_steps", "eval_every", "save_every"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {v})")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise UsageError(f"--warmup-steps must be 0 or more (got {self.warmup_steps})")
+        if self.lr is not None and self.lr <= 0:
+            raise UsageError(f"--lr must be positive (got {self.lr})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {self.min_lr_ratio})")
+        if self.bf16 not in ("auto", "on", "off"):
+            raise UsageError(f"--bf16 {self.bf16!r}: use auto, on or off")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (1e-3 if self.train == "lora" else 2e-4)

@@ -1,0 +1,38 @@
+"""How the commands cut their data: calibration blocks (a default count when --data gives none),
+held-out blocks after them, and evaluation blocks disjoint from both. Shared by the commands and
+the recipe steps, so one --data means the same blocks in either."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..data.sources import DataSpec
+from ..errors import UsageError
+
+
+def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec | None:
+    """`spec`, capped at `blocks` blocks when it says neither max_samples nor num_tokens."""
+    if spec is None or blocks is None or spec.max_samples is not None or spec.num_tokens is not None:
+        return spec
+    return replace(spec, max_samples=blocks)
+
+
+def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: int, used: int
+              ) -> tuple[DataSpec, int]:
+    """The evaluation data of prune and convert-gqa, and the blocks it skips: a DataSpec as given
+    (a recipe's eval_data block; `eval_samples` blocks unless it says), or a source cut like the
+    calibration data, after the `used` calibration and held-out blocks when it is the same source."""
+    if isinstance(eval_data, DataSpec):
+        if eval_data.max_samples is None and eval_data.num_tokens is None:
+            eval_data = replace(eval_data, max_samples=eval_samples)
+        return eval_data, eval_data.skip_samples
+    same = spec is not None and eval_data == spec.source
+    if same and spec.max_samples is None:
+        raise UsageError("--eval-data is the same source as --data: give --max-samples so the evaluation "
+                         "blocks can be held out from it")
+    skip = used if same else 0
+    base = spec if spec is not None else DataSpec(source=eval_data)
+    espec = replace(base, source=eval_data, max_samples=eval_samples, num_tokens=None, skip_samples=skip,
+                    label_column=None)
+    if not same:  # another source: its own columns and split
+        espec = replace(espec, split=None, text_column=None)
+    return espec, skip

@@ -1,0 +1,238 @@
+"""The options and defaults of every step, once: one frozen request dataclass per command.
+
+`headtool.cli` derives each command's options from these fields (flags, help, defaults) and
+`recipe_schema` derives each recipe step's keys, types and allowed values from the same fields;
+`headtool.optionspec` holds the metadata and the value checks both use. A recipe step and its
+command therefore build the same request and run the same code (`workflows.*.…_loaded`).
+
+Torch-free: the CLI imports this module at start-up.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ..data.sources import DataSpec
+from ..model.placement import LoadOptions
+from ..optionspec import CLI_ONLY, RECIPE, option
+from ..train.options import HealOptions
+
+# the methods each step accepts (tests check these against the code that implements them)
+SCORE_METHODS = ("gradient", "ablation", "taylor", "fisher", "magnitude", "random")
+OBJECTIVES = ("auto", "lm", "mlm", "classification", "kl")
+EVAL_OBJECTIVES = ("auto", "lm", "mlm", "classification")
+NORMALIZE = ("auto", "layer", "none")
+MERGE_METHODS = ("mean", "aligned", "fit")
+GROUPINGS = ("contiguous", "similarity")
+
+#: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
+CALIBRATION_BLOCKS = 64
+
+METHOD_HELP = ("gradient (default, Michel et al.) | ablation (exact loss increase) | taylor (TextPruner) | "
+               "fisher (Kwon et al.) | magnitude (weights, no data) | random (seeded baseline)")
+MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
+              "(smollm2-135m, all-minilm-l6-v2) or a hub id")
+SEQUENTIAL_HELP = ("models larger than the device: keep the model on CPU and move one layer at a time to --device "
+                   "for calibration (scoring and --eval-data run on CPU)")
+_SEQ = "a whole-recipe key: `sequential: true` at the top of the recipe"
+_WRITE_ONCE = "a recipe writes its final model once: output, overwrite and shard_size are top-level keys"
+
+
+def _model(help: str = MODEL_HELP):
+    return option(help=help, positional=True, where=RECIPE)
+
+
+def _load():
+    return field(default_factory=LoadOptions)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """What to score and how; `data` is used by the data-driven methods only (all of it unless
+    --max-samples / --num-tokens cap it)."""
+
+    model: str = _model()
+    method: str = option("gradient", METHOD_HELP, flags=("--method", "-m"), choices=SCORE_METHODS)
+    objective: str = option("auto", "auto | lm | mlm | classification | kl (divergence from the model's own "
+                            "outputs; any model, headless encoders too)", choices=OBJECTIVES)
+    normalize: str = option("auto", "auto | layer (per-layer L2, Michel) | none; auto = layer for gradient, "
+                            "taylor and fisher, none otherwise. raw_scores are always kept", choices=NORMALIZE)
+    iterative: int = option(0, "K rounds of: score, gate off the weakest heads, re-score (Michel); records "
+                            "removal_order", min=0)
+    fraction: float | None = option(None, "with --iterative: fraction of all heads gated off over the K rounds "
+                                    "(default 0.5, spread evenly)", above=0, below=1)
+    iterative_fraction: float | None = option(None, "with --iterative: fraction of all heads gated off after "
+                                              "each round (instead of --fraction)", above=0, below=1)
+    ablation_batch: int | None = option(None, "heads evaluated together in one batched ablation pass (default: "
+                                        "as many as fit in about 1 GiB of activations)", min=1)
+    output: str | None = option(None, "write the score document here (atomically); default: stdout",
+                                flags=("--output", "-o"))
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = _load()
+
+    default_blocks: ClassVar[int | None] = None  # all of --data
+
+    def validate(self) -> None:
+        """Problems visible before any model is loaded."""
+        from ..errors import UsageError
+        from ..optionspec import check
+
+        if self.method not in SCORE_METHODS:
+            raise UsageError(f"unknown --method {self.method!r}; use one of {', '.join(SCORE_METHODS)}")
+        check(self)
+        if (self.fraction is not None or self.iterative_fraction is not None) and not self.iterative:
+            raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final "
+                             "fraction)")
+
+
+_H, _T, _C, _E = "Heads", "Target", "Compensation", "Evaluation"
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """prune's options and defaults. Heads come from `scores` (a document or '-'), `heads` (an
+    explicit list) or, with `data` and neither, from scoring now with `method`."""
+
+    model: str = _model()
+    output: str | None = option(None, "output folder (written atomically)", flags=("--output", "-o"),
+                                where=RECIPE)
+    scores: str | None = option(None, "score document from `headtool score` (a file, or - for stdin)", panel=_H)
+    heads: str | None = option(None, 'explicit heads to remove, layer:heads;... e.g. "3:0,5;7:2"', panel=_H)
+    method: str = option("gradient", "with --data and no --scores: scoring method (gradient, ablation, taylor, "
+                         "fisher, magnitude, random)", choices=SCORE_METHODS, panel=_H)
+    objective: str = option("auto", "auto | lm | mlm | classification | kl (scoring and --eval-data)",
+                            choices=OBJECTIVES, panel=_H)
+    fraction: float | None = option(None, "fraction of query heads to remove, in (0, 1)", above=0, below=1,
+                                    panel=_T)
+    num_heads: int | None = option(None, "number of query heads to remove", min=1, panel=_T)
+    threshold: float | None = option(None, "remove heads scoring below this", panel=_T)
+    scope: str = option("global", "global (rank all heads together) | layer (same number from every layer)",
+                        choices=("global", "layer"), panel=_T)
+    min_heads_per_layer: int = option(1, "query heads every layer keeps at least", min=1, panel=_T)
+    unit: str = option("query", "GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV "
+                       "groups)", choices=("query", "group"), panel=_T)
+    compensate: bool = option(False, "refit each pruned layer's output projection by least squares on --data "
+                              f"(sequential calibration; {CALIBRATION_BLOCKS} blocks unless --max-samples)",
+                              panel=_C)
+    choose_in_layer: str = option("auto", "auto | scores | refit: which heads go inside a layer (refit: the "
+                                  "least error after the refit; auto = refit with --compensate)",
+                                  choices=("auto", "scores", "refit"), panel=_C)
+    refit_layers: str = option("pruned", "pruned | all (also refit unpruned layers to undo earlier layers' "
+                               "drift)", choices=("pruned", "all"), panel=_C)
+    damping: float = option(1e-2, "ridge damping, relative to the mean diagonal of the Gram matrix", min=0,
+                            panel=_C)
+    heldout_samples: int = option(0, "blocks after the calibration data on which each refit must lower the "
+                                  "error to be kept (0: no check)", min=0, panel=_C)
+    eval_data: str | DataSpec | None = option(None, "measure loss / perplexity before and after on this data "
+                                              "(held out from --data when it is the same source)", panel=_E)
+    eval_samples: int = option(32, "blocks for --eval-data", min=1, panel=_E)
+    dry_run: bool = option(False, "plan and summary; nothing written", where=CLI_ONLY,
+                           why="a recipe's steps always run; leave out `output` to write nothing")
+    overwrite: bool = option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
+    shard_size: str = option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    streaming: bool = option(False, "work shard by shard on the safetensors files, never building the model "
+                             "(checkpoints larger than memory; needs --scores or --heads, no --compensate)",
+                             where=CLI_ONLY, why="a recipe keeps the model in memory between steps")
+    sequential: bool = option(False, SEQUENTIAL_HELP, panel="Model", where=RECIPE, why=_SEQ)
+    data: DataSpec | None = None
+    load: LoadOptions = _load()
+
+    default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS  # calibration of --compensate
+
+    def validate(self) -> None:
+        from ..optionspec import check
+
+        check(self)
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    """convert-gqa's options and defaults. `merge` is one method or a comma list to compare;
+    `refit` None means on for fit; `heldout_samples` None means a quarter of the calibration."""
+
+    model: str = _model()
+    kv_heads: int = option(help="KV heads per layer after merging (1 = MQA)", min=1)
+    output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
+    grouping: str = option("contiguous", "contiguous | similarity (needs --data)", choices=GROUPINGS)
+    merge: str = option("fit", "mean | aligned | fit, or a comma list to compare (the one with the lowest "
+                        "held-out loss is written)", choices=MERGE_METHODS, multiple=True)
+    refit: bool | None = option(None, "sequential output-projection refit (default: on for fit)",
+                                flags=("--refit/--no-refit",))
+    damping: float = option(1e-2, "ridge damping of the refit, relative", min=0)
+    heldout_samples: int | None = option(None, "calibration blocks held out to check each refit and choose the "
+                                         "merge (default: a quarter)", min=0)
+    eval_data: str | DataSpec | None = option(None, "data to measure loss before/after (blocks disjoint from "
+                                              "calibration when it is the same source)")
+    eval_samples: int = option(32, "blocks of --eval-data", min=1)
+    overwrite: bool = option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
+    shard_size: str = option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    streaming: bool = option(False, "work shard by shard on the safetensors files, never building the model "
+                             "(checkpoints larger than memory; --merge mean with contiguous grouping)",
+                             where=CLI_ONLY, why="a recipe keeps the model in memory between steps")
+    sequential: bool = option(False, SEQUENTIAL_HELP, panel="Model", where=RECIPE, why=_SEQ)
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = _load()
+
+    default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
+
+    def validate(self) -> None:
+        from ..optionspec import check
+
+        check(self)
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """Models to compare (deltas are against the first) and the data they are compared on (all of
+    it unless --max-samples / --num-tokens cap it)."""
+
+    models: tuple[str, ...] = option((), "one or more models; deltas are against the first", positional=True,
+                                     where=RECIPE)
+    objective: str = option("auto", "auto | lm | mlm | classification", choices=EVAL_OBJECTIVES)
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = _load()
+
+    default_blocks: ClassVar[int | None] = None
+
+    def validate(self) -> None:
+        from ..optionspec import check
+
+        check(self)
+
+
+@dataclass(frozen=True)
+class HealRequest:
+    """STUDENT healed towards TEACHER on `data`, written to `output`.
+
+    eval_data: None (held-out blocks of `data`, which training skips), a source string or a DataSpec.
+    The training state goes to OUTPUT.heal-state/ and is removed after OUTPUT is written (unless
+    keep_state).
+    """
+
+    student: str = option(help="the pruned or converted model to heal; " + MODEL_HELP, positional=True,
+                          where=RECIPE)
+    teacher: str = option(help="the original model it was made from", where=RECIPE)
+    output: str | os.PathLike = option(help="output folder (written whole or not at all)", flags=("-o", "--output"),
+                                       where=RECIPE)
+    opts: HealOptions = field(default_factory=HealOptions)
+    data: DataSpec = field(default_factory=DataSpec)
+    eval_data: str | DataSpec | None = option(None, "held-out data [default: the first --eval-samples blocks of "
+                                              "--data, which training skips]", panel="Evaluation and state")
+    eval_samples: int = option(16, "held-out blocks", min=1, panel="Evaluation and state")
+    load: LoadOptions = _load()
+    overwrite: bool = option(False, "replace an existing output folder (and discard an unfinished training "
+                             "state)", where=RECIPE, why=_WRITE_ONCE)
+    resume: bool = option(False, "continue from OUT.heal-state/ after an interruption",
+                          panel="Evaluation and state", where=CLI_ONLY,
+                          why="a recipe heals in memory and keeps no resumable state")
+    keep_state: bool = option(False, "keep OUT.heal-state/ after success", panel="Evaluation and state",
+                              where=CLI_ONLY, why="a recipe heals in memory and keeps no resumable state")
+
+    default_blocks: ClassVar[int | None] = None  # one pass over --data (or what --max-steps reads)
+
+    def validate(self) -> None:
+        from ..optionspec import check
+
+        check(self)
+        self.opts.validate()
