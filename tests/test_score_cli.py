@@ -145,12 +145,12 @@ def test_read_scores_file_problems(tmp_path, folders):
 
 @pytest.mark.parametrize("args,message", [
     (["--method", "nope"], "unknown --method"),
-    (["--normalize", "rows"], "unknown --normalize"),
+    (["--normalize", "rows"], "--normalize must be one of auto, layer, none"),
     (["--objective", "mlm"], "needs a masked-lm model"),
     (["--objective", "kl", "--method", "taylor"], "first-order"),
     (["--method", "random", "--iterative", "2"], "--iterative needs a data-driven method"),
     (["--fraction", "0.3"], "go with --iterative"),
-    (["--iterative", "2", "--fraction", "1.5"], "--fraction must be in"),
+    (["--iterative", "2", "--fraction", "1.5"], "--fraction must be a number in (0, 1)"),
     (["-o", "/nonexistent/dir/s.json"], "does not exist"),
     (["--plot", "/nonexistent/dir/s.png"], "does not exist"),
 ])

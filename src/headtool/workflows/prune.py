@@ -45,7 +45,6 @@ class PruneRun:
 
 def run_prune(req: PruneRequest) -> PruneRun:
     """Check, load, choose the heads, prune (and refit), write; nothing is written on --dry-run."""
-    req.validate()
     given = [n for n, v in (("--scores", req.scores), ("--heads", req.heads)) if v is not None]
     if len(given) > 1:
         raise UsageError("give either --scores or --heads, not both")
@@ -57,6 +56,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
         raise UsageError("--compensate needs calibration data: pass --data")
     if not req.dry_run and not req.output:
         raise UsageError("give an output folder with -o OUT (or --dry-run)")
+    req.validate()
     parse_size(req.shard_size)
     if req.streaming:
         if not given or req.compensate or req.eval_data or req.dry_run:
