@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from headtool.arch import LAYOUT_KEY
+from headtool.arch import LAYOUT_KEY, RESIZE_SPEC_KEY
 from headtool.io.output import write_output
 from headtool.cli.app import app
 from headtool.measure.gates import head_gates
@@ -75,6 +75,11 @@ def test_reloaded_folder_equals_the_gated_original(outputs, family):
         assert doc["format"] == "headtool.surgery/1" and doc["config_kind"] == o["kind"]
         assert doc["source"]["fingerprint"].startswith("sha256:")
         assert (LAYOUT_KEY in cfg) == (o["kind"] == "headtool-remote-code")
+        # the family's own model_type, the only key the adapter registry reads (no renamed type,
+        # no headtool key other than the per-layer table and its resize spec)
+        assert cfg["model_type"] == json.loads((o["folder"].parent / f"src_{fam}" / "config.json").read_text())[
+            "model_type"]
+        assert {k for k in cfg if k.startswith("headtool")} <= {LAYOUT_KEY, RESIZE_SPEC_KEY}, sorted(cfg)
         assert (o["folder"] / "modeling_headtool.py").exists() == (o["kind"] == "headtool-remote-code")
         assert "| layer |" in (o["folder"] / "README.md").read_text()
 
