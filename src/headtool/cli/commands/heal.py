@@ -92,7 +92,7 @@ def heal(
                        max_steps=max_steps, grad_accum=grad_accum, max_grad_norm=max_grad_norm, seed=spec.seed,
                        bf16=bf16, eval_every=eval_every, save_every=save_every,
                        gradient_checkpointing=gradient_checkpointing, keep_best=keep_best)
-    world = world_from_env()
+    world = world_from_env(load.device)
     try:
         doc = run_heal(HealRequest(student, teacher, output, opts=opts, data=spec, eval_data=eval_data,
                                    eval_samples=eval_samples, load=load, overwrite=overwrite, resume=resume,
