@@ -187,6 +187,18 @@ def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_pat
     assert hj["kept_heads"] == res["kept_heads"] and hj["num_kv_heads"] == res["num_kv_heads"]
 
 
+@pytest.mark.parametrize("heads", ["0:0,2;2:1,3", "0:0,0:2,2:1,2:3"], ids=["prune-form", "pair-form"])
+def test_heads_in_either_form_remove_the_same_heads(llama_src, tmp_path, heads):
+    r = _prune(llama_src, "--heads", heads, "-o", tmp_path / "x", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["kept_heads"] == [[1, 3], [0, 1, 2, 3], [0, 2]]
+
+
+def test_prune_help_states_the_head_grammar():
+    text = " ".join(runner.invoke(app, ["prune", "--help"]).stdout.split())
+    assert '"3:0,5;7:2"' in text and '"3:1,5:0"' in text
+
+
 def test_dry_run_writes_nothing(llama_src, tmp_path):
     r = _prune(llama_src, "--heads", "0:0,2", "-o", tmp_path / "x", "--dry-run", "--json")
     assert r.exit_code == 0, r.stderr
@@ -211,6 +223,10 @@ def test_bad_targets_exit_2_with_one_line_and_write_nothing(llama_src, tmp_path)
         (["--scores", other_scores, "--fraction", "0.2"], "fingerprint"),
         (["--heads", "7:0"], "layer 7"),
         (["--heads", "0:0"], "unequal"),
+        (["--heads", "0:0,2,0"], "layer 0 head 0 is listed twice"),
+        (["--heads", "0;1:2"], "head 0 has no layer before it"),
+        (["--heads", "0:9"], "layer 0 has query heads 0..3, not 9"),
+        (["--heads", "layer0"], "LAYER:HEAD,HEAD;LAYER:HEAD"),
     ]
     for args, msg in cases:
         r = _prune(llama_src, *args, "-o", out)

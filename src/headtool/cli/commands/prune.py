@@ -23,7 +23,9 @@ def prune_cmd(
     scores: Annotated[Optional[str], typer.Option(
         "--scores", help="score document from `headtool score` (a file, or - for stdin)", rich_help_panel="Heads")] = None,
     heads: Annotated[Optional[str], typer.Option(
-        "--heads", help='explicit heads to remove, layer:heads;... e.g. "3:0,5;7:2"', rich_help_panel="Heads")] = None,
+        "--heads", help='explicit heads to remove: LAYER:HEAD,HEAD;LAYER:HEAD, e.g. "3:0,5;7:2" (layer 3 heads 0 '
+        'and 5, layer 7 head 2); "3:1,5:0" works too (an item with ":" starts a new layer); "" removes none',
+        rich_help_panel="Heads")] = None,
     method: Annotated[str, typer.Option(
         "--method", help="with --data and no --scores: scoring method (gradient, ablation, taylor, fisher, "
                          "magnitude, random)", rich_help_panel="Heads")] = "gradient",
