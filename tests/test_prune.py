@@ -199,6 +199,25 @@ def test_prune_help_states_the_head_grammar():
     assert '"3:0,5;7:2"' in text and '"3:1,5:0"' in text
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["in-memory", "streaming"])
+def test_outputs_name_the_source_as_typed(llama_src, tmp_path, monkeypatch, streaming):
+    """headtool.json and the card name the model as the user typed it (here `~/...`); the
+    resolved folder is kept beside it under `path`, and the card does not show it."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(llama_src, tmp_path / "models" / "tiny")
+    out = tmp_path / "out"
+    r = _prune("~/models/tiny", "--heads", "0:0,2", "-o", out, "--json", *(["--streaming"] if streaming else []))
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads((out / "headtool.json").read_text())
+    assert doc["source"]["ref"] == "~/models/tiny" and doc["source"]["path"] == str(tmp_path / "models" / "tiny")
+    card = (out / "README.md").read_text()
+    assert "# prune of ~/models/tiny\n" in card and str(tmp_path) not in card
+    if not streaming:
+        assert json.loads(r.stdout)["source"]["ref"] == "~/models/tiny"
+
+
 def test_dry_run_writes_nothing(llama_src, tmp_path):
     r = _prune(llama_src, "--heads", "0:0,2", "-o", tmp_path / "x", "--dry-run", "--json")
     assert r.exit_code == 0, r.stderr

@@ -147,7 +147,7 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
            "(it needs only torch and transformers): load with `trust_remote_code=True`.")
     lines = [
         "---", "library_name: transformers", "tags:", "- headtool", f"- {op}", "---", "",
-        f"# {op} of {src.get('path', 'a model')}", "",
+        f"# {op} of {src.get('ref') or src.get('path') or 'a model'}", "",
         f"Written by headtool {__version__} (`{op}`). Config kind: **{kind}**. {why}", "",
         "```python", load, "```", "",
     ]
@@ -183,8 +183,10 @@ def finish_folder(tmp: Path, target: Path, *, model, source, tokenizer, meta: di
     already there), then the atomic move to `target`."""
     _fix_config(tmp, model, kind)
     _copy_inputs(source, tokenizer, tmp)
+    # the source as the user named it (`ref`: a packaged name, hub id or path as typed), then the
+    # folder it resolved to (`path`: for GGUF and packaged models a converted copy in the cache)
     doc = {"format": FORMAT, **meta,
-           "source": {"path": getattr(source, "path", None), "ref": getattr(source, "ref", None),
+           "source": {"ref": getattr(source, "ref", None), "path": getattr(source, "path", None),
                       "fingerprint": getattr(source, "fingerprint", None), **meta.get("source", {})},
            "config_kind": kind, "headtool_version": __version__}
     (tmp / "headtool.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -198,8 +200,9 @@ def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict
                  overwrite: bool = False, shard_size: str | int = "5GB") -> dict[str, Any]:
     """Write `model` (already resized in memory) as a folder at `out`, atomically.
 
-    `source` is the LoadedModel of the input (its path and fingerprint go into headtool.json;
-    its tokenizer files and generation config are copied). Returns {"path", "config_kind", "files"}.
+    `source` is the LoadedModel of the input (its reference as typed, resolved path and
+    fingerprint go into headtool.json, the reference names it in the model card; its tokenizer
+    files and generation config are copied). Returns {"path", "config_kind", "files"}.
     """
     target = check_output_target(out, getattr(source, "path", None), overwrite)
     shard_bytes = parse_size(shard_size)
