@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -164,14 +166,40 @@ def output_kind(model) -> str:
 
 
 @contextmanager
-def temp_folder(target: Path):
-    """A hidden temporary folder beside `target`, removed again if anything fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+def _sigint_held():
+    """Hold Ctrl-C (SIGINT) back for a short critical step and deliver it right after.
+
+    A KeyboardInterrupt can otherwise land between creating a folder and recording it for
+    cleanup, or between the two renames that swap an output into place. Only the main thread
+    receives KeyboardInterrupt (and may set handlers); elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # now, with the handler that was in place
+
+
+@contextmanager
+def temp_folder(target: Path):
+    """A hidden temporary folder beside `target`, removed again if anything fails (Ctrl-C
+    included: the folder is created and recorded, and removed, with SIGINT held back)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp: Path | None = None
+    try:
+        with _sigint_held():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            with _sigint_held():
+                shutil.rmtree(tmp, ignore_errors=True)
         raise
     if tmp.exists():  # not moved into place
         shutil.rmtree(tmp, ignore_errors=True)
@@ -226,7 +254,15 @@ def _auto_name(model) -> str:
 
 
 def _replace(tmp: Path, target: Path) -> None:
-    """Move the finished folder into place; an old folder (with --overwrite) goes only then."""
+    """Move the finished folder into place; an old folder (with --overwrite) goes only then.
+
+    Ctrl-C is held back until the swap is done, so that it never leaves the old folder parked
+    in a hidden `.NAME.old-*` folder with nothing at `target`."""
+    with _sigint_held():
+        _swap(tmp, target)
+
+
+def _swap(tmp: Path, target: Path) -> None:
     if target.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
         os.replace(target, trash / "old")
