@@ -195,6 +195,24 @@ def test_version_and_help():
     assert res.exit_code == 0 and "info" in res.stdout
 
 
+def test_typer_is_a_pinned_version_and_its_usage_errors_pass_through():
+    """cli/app.py reaches into typer: the installed version must be in the range pyproject pins
+    (the range the CLI tests ran with), and a click usage error raised by typer's own parser (an
+    unknown option) must reach click's handling, exit 2, not headtool's 'internal error'."""
+    import re
+    from pathlib import Path
+
+    import typer
+    from packaging.specifiers import SpecifierSet
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    spec = re.search(r'"typer\s*([^"]*)"', pyproject).group(1)
+    assert "<" in spec and ">=" in spec, spec  # a range, not an open-ended floor
+    assert SpecifierSet(spec).contains(typer.__version__), (typer.__version__, spec)
+    res = runner.invoke(app, ["info", "somewhere", "--no-such-option"])
+    assert res.exit_code == 2 and "No such option" in res.output and "internal error" not in res.output, res.output
+
+
 def test_every_adapter_has_a_tiny_model():
     """The registry's adapters against the tiny models the tests build: an adapter added without
     a tiny model (so never run through the equivalence tests) fails here, and so does a tiny
