@@ -217,8 +217,9 @@ def test_every_adapter_has_a_tiny_model():
     """The registry's adapters against the tiny models the tests build: an adapter added without
     a tiny model (so never run through the equivalence tests) fails here, and so does a tiny
     model of a type the registry does not list."""
-    from headtool.arch.families import ALL_ADAPTERS
     from tiny_models import tiny_config
+
+    from headtool.arch.families import ALL_ADAPTERS
 
     covered = {f: adapter_for(tiny_config(f)) for f in FAMILIES}
     assert {a.family for a in covered.values()} == {a.family for a in ALL_ADAPTERS}

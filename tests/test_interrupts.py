@@ -217,9 +217,8 @@ def test_ctrl_c_as_the_temporary_folder_is_made_leaves_nothing(ctrl_c_after_mkdt
     from headtool.io.output import temp_folder
 
     entered = []
-    with pytest.raises(KeyboardInterrupt):
-        with temp_folder(tmp_path / "out") as tmp:
-            entered.append(tmp)
+    with pytest.raises(KeyboardInterrupt), temp_folder(tmp_path / "out") as tmp:
+        entered.append(tmp)
     assert strays(tmp_path, "out") == [] and not (tmp_path / "out").exists()
     assert entered == []  # the interrupt is delivered before the caller starts writing
 
