@@ -43,3 +43,54 @@ def test_two_gloo_ranks_equal_one_process(method, launcher, tmp_path):
             assert abs(x - y) <= 1e-6 * max(abs(y), 1e-12)
     assert abs(a["baseline_loss"] - b["baseline_loss"]) <= 1e-9 * abs(b["baseline_loss"])
     assert a["data"]["samples"] == b["data"]["samples"] == 6
+
+
+def test_the_backend_follows_the_device_not_the_machine(monkeypatch):
+    """--device cpu on a machine with CUDA runs gloo (nccl cannot reduce CPU tensors)."""
+    import torch
+
+    from headtool.distributed import backend_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [backend_for(d) for d in ("cpu", torch.device("cpu"), "mps", "cuda", "cuda:1", torch.device("cuda", 0),
+                                     "auto", None)] == ["gloo"] * 3 + ["nccl"] * 5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert backend_for("auto") == backend_for(None) == "gloo"
+
+
+@pytest.fixture()
+def fake_group(monkeypatch):
+    """A launched 2-process job whose process group is recorded instead of joined; CUDA 'exists'."""
+    import torch
+    import torch.distributed as dist
+
+    joined: list[str] = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(joined))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: joined.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    return joined
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("cuda", "nccl"), ("auto", "nccl")])
+def test_world_from_env_joins_with_the_backend_of_the_device(fake_group, device, backend):
+    from headtool.distributed import World, world_from_env
+
+    assert world_from_env(device) == World(1, 2, 1)
+    assert fake_group == [backend]
+
+
+def test_heal_on_cpu_joins_gloo_where_cuda_exists(fake_group, tmp_path):
+    """The command passes its --device on: the process group it joins is gloo."""
+    from typer.testing import CliRunner
+
+    from headtool.cli.app import app
+
+    r = CliRunner().invoke(app, ["heal", str(tmp_path / "no-student"), "--teacher", str(tmp_path / "no-teacher"),
+                                 "-o", str(tmp_path / "out"), "--device", "cpu"])
+    assert r.exit_code == 2 and "not found" in r.stderr, r.stderr  # stopped at the missing student
+    assert fake_group == ["gloo"]

@@ -195,9 +195,36 @@ def test_version_and_help():
     assert res.exit_code == 0 and "info" in res.stdout
 
 
-def test_families_table_is_complete():
-    assert set(FAMILIES) >= {"bert", "roberta", "gpt2", "gpt_neox", "opt", "llama", "mistral", "qwen2", "qwen3",
-                             "gemma", "gemma2", "gemma3_text", "phi3"}
+def test_typer_is_a_pinned_version_and_its_usage_errors_pass_through():
+    """cli/app.py reaches into typer: the installed version must be in the range pyproject pins
+    (the range the CLI tests ran with), and a click usage error raised by typer's own parser (an
+    unknown option) must reach click's handling, exit 2, not headtool's 'internal error'."""
+    import re
+    from pathlib import Path
+
+    import typer
+    from packaging.specifiers import SpecifierSet
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    spec = re.search(r'"typer\s*([^"]*)"', pyproject).group(1)
+    assert "<" in spec and ">=" in spec, spec  # a range, not an open-ended floor
+    assert SpecifierSet(spec).contains(typer.__version__), (typer.__version__, spec)
+    res = runner.invoke(app, ["info", "somewhere", "--no-such-option"])
+    assert res.exit_code == 2 and "No such option" in res.output and "internal error" not in res.output, res.output
+
+
+def test_every_adapter_has_a_tiny_model():
+    """The registry's adapters against the tiny models the tests build: an adapter added without
+    a tiny model (so never run through the equivalence tests) fails here, and so does a tiny
+    model of a type the registry does not list."""
+    from tiny_models import tiny_config
+
+    from headtool.arch.families import ALL_ADAPTERS
+
+    covered = {f: adapter_for(tiny_config(f)) for f in FAMILIES}
+    assert {a.family for a in covered.values()} == {a.family for a in ALL_ADAPTERS}
+    assert set(FAMILIES) <= set(supported_families())
+    assert all(f in a.model_types for f, a in covered.items()), {f: a.family for f, a in covered.items()}
 
 
 def test_fingerprint_of_a_large_tensor_samples_in_range():

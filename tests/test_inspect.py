@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from headtool.arch import adapter_for
-from headtool.measure.inspection import head_output_maps, inspect_heads, o_weight_tensor, parse_heads
+from headtool.measure.inspection import head_output_maps, inspect_heads, o_weight_tensor
 from headtool.arch.heads import extract_heads
-from headtool.errors import UsageError
 from tiny_models import sample_ids, tiny_model
 
 FIRST_ID = 1  # token id every row starts with in the hand-built llama
@@ -187,15 +186,6 @@ def test_padding_is_masked(family, side):
                                    msg=lambda s: f"{key}: {s}")
     torch.testing.assert_close(torch.tensor(a["similarity"]["attention"]), torch.tensor(b["similarity"]["attention"]),
                                atol=2e-4, rtol=1e-3)
-
-
-def test_parse_heads_checks_ranges():
-    m = tiny_model("llama")
-    geo = adapter_for(m.config).geometry(m.config)
-    assert parse_heads("2:1, 0:3", geo) == [(2, 1), (0, 3)]
-    for bad in ("3:0", "0:4", "x", "1-2", ",", "-1:0"):
-        with pytest.raises(UsageError):
-            parse_heads(bad, geo)
 
 
 def test_inspect_restores_the_attention_implementation():

@@ -76,12 +76,22 @@ def test_inspect_plots(llama, text_file, tmp_path):
                                    "--text", "def f(x): return x"))
     assert res.exit_code == 0, res.output
     assert (tmp_path / "t" / "attention_L1_H0.png").read_bytes()[:8] == PNG_MAGIC
+    # prune's grammar (layers separated by ';') is read too, and means the same heads as the pairs
+    res = runner.invoke(app, _args(llama, text_file, "--plot", str(tmp_path / "u"), "--heads", "0:1,3;2:0",
+                                   "--text", "def f(x): return x"))
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "u").glob("attention_*")) == [
+        "attention_L0_H1.png", "attention_L0_H3.png", "attention_L2_H0.png"]
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--heads", "3:0", "--plot", "OUT"], "layer 3 out of range"),
-    (["--heads", "0:9", "--plot", "OUT"], "head 9 out of range"),
+    (["--heads", "3:0", "--plot", "OUT"], "layer 3 does not exist"),
+    (["--heads", "0:9", "--plot", "OUT"], "layer 0 has query heads 0..3, not 9"),
     (["--heads", "zero", "--plot", "OUT"], "LAYER:HEAD"),
+    (["--heads", "0:1,0:1", "--plot", "OUT"], "layer 0 head 1 is listed twice"),
+    (["--heads", "1,0:2", "--plot", "OUT"], "head 1 has no layer before it"),
+    (["--heads", ";", "--plot", "OUT"], "lists no heads"),
+    (["--heads", " ", "--plot", "OUT"], "lists no heads"),
     (["--heads", "0:1"], "need --plot"),
     (["--top", "-1"], "--top"),
     (["--plot", "FILE"], "not a folder"),
@@ -92,6 +102,12 @@ def test_inspect_bad_input_exits_2(llama, text_file, tmp_path, extra, message):
     res = runner.invoke(app, _args(llama, text_file, *extra))
     assert res.exit_code == 2, res.output
     assert message in res.stderr and "Traceback" not in res.output
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1, res.stderr
+
+
+def test_inspect_help_states_the_head_grammar():
+    text = " ".join(runner.invoke(app, ["inspect", "--help"]).stdout.split())
+    assert '"3:0,5;7:2"' in text and '"3:1,5:0"' in text
 
 
 def test_inspect_missing_model_exits_2(tmp_path, text_file):

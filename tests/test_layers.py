@@ -151,6 +151,27 @@ def test_the_modeling_file_imports_nothing_of_headtool():
     assert imports_of(path, "headtool.templates.modeling_headtool", False, set()) == []
 
 
+def test_the_modeling_file_names_what_exists():
+    """Its comments name headtool modules and adapter fields, and its keys are the ones headtool
+    writes: a rename in the package must show up here (it once named `headtool.resize`)."""
+    import importlib.util
+    import re
+
+    from headtool.arch import LAYOUT_KEY, RESIZE_QUANTITIES, RESIZE_SPEC_KEY, Adapter
+    from headtool.templates import modeling_headtool as tpl
+
+    text = (SRC / "templates" / "modeling_headtool.py").read_text()
+    modules = set(re.findall(r"\bheadtool(?:\.[a-z_]+)+", text))
+    assert modules, "the file names no headtool module (the check would be vacuous)"
+    assert [m for m in sorted(modules) if importlib.util.find_spec(m) is None] == []
+    fields = set(re.findall(r"\bAdapter\.(\w+)", text))
+    assert fields and [f for f in sorted(fields) if f not in Adapter.__dataclass_fields__] == []
+    assert (tpl.LAYOUT_KEY, tpl.RESIZE_SPEC_KEY) == (LAYOUT_KEY, RESIZE_SPEC_KEY)
+    for q in RESIZE_QUANTITIES:
+        tpl.quantity(q, 4, 2, 8)  # every quantity an adapter may name is one the file computes
+    assert "http" not in text  # no placeholder links in a file copied into every output
+
+
 def test_command_line_start_up_imports_no_torch():
     """`headtool --help` stays fast: the CLI modules import torch only when a command runs."""
     import subprocess

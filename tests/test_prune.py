@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from headtool.arch import LAYOUT_KEY
+from headtool.arch import LAYOUT_KEY, RESIZE_SPEC_KEY
 from headtool.io.output import write_output
 from headtool.cli.app import app
 from headtool.measure.gates import head_gates
@@ -75,6 +75,11 @@ def test_reloaded_folder_equals_the_gated_original(outputs, family):
         assert doc["format"] == "headtool.surgery/1" and doc["config_kind"] == o["kind"]
         assert doc["source"]["fingerprint"].startswith("sha256:")
         assert (LAYOUT_KEY in cfg) == (o["kind"] == "headtool-remote-code")
+        # the family's own model_type, the only key the adapter registry reads (no renamed type,
+        # no headtool key other than the per-layer table and its resize spec)
+        assert cfg["model_type"] == json.loads((o["folder"].parent / f"src_{fam}" / "config.json").read_text())[
+            "model_type"]
+        assert {k for k in cfg if k.startswith("headtool")} <= {LAYOUT_KEY, RESIZE_SPEC_KEY}, sorted(cfg)
         assert (o["folder"] / "modeling_headtool.py").exists() == (o["kind"] == "headtool-remote-code")
         assert "| layer |" in (o["folder"] / "README.md").read_text()
 
@@ -182,6 +187,37 @@ def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_pat
     assert hj["kept_heads"] == res["kept_heads"] and hj["num_kv_heads"] == res["num_kv_heads"]
 
 
+@pytest.mark.parametrize("heads", ["0:0,2;2:1,3", "0:0,0:2,2:1,2:3"], ids=["prune-form", "pair-form"])
+def test_heads_in_either_form_remove_the_same_heads(llama_src, tmp_path, heads):
+    r = _prune(llama_src, "--heads", heads, "-o", tmp_path / "x", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["kept_heads"] == [[1, 3], [0, 1, 2, 3], [0, 2]]
+
+
+def test_prune_help_states_the_head_grammar():
+    text = " ".join(runner.invoke(app, ["prune", "--help"]).stdout.split())
+    assert '"3:0,5;7:2"' in text and '"3:1,5:0"' in text
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["in-memory", "streaming"])
+def test_outputs_name_the_source_as_typed(llama_src, tmp_path, monkeypatch, streaming):
+    """headtool.json and the card name the model as the user typed it (here `~/...`); the
+    resolved folder is kept beside it under `path`, and the card does not show it."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(llama_src, tmp_path / "models" / "tiny")
+    out = tmp_path / "out"
+    r = _prune("~/models/tiny", "--heads", "0:0,2", "-o", out, "--json", *(["--streaming"] if streaming else []))
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads((out / "headtool.json").read_text())
+    assert doc["source"]["ref"] == "~/models/tiny" and doc["source"]["path"] == str(tmp_path / "models" / "tiny")
+    card = (out / "README.md").read_text()
+    assert "# prune of ~/models/tiny\n" in card and str(tmp_path) not in card
+    if not streaming:
+        assert json.loads(r.stdout)["source"]["ref"] == "~/models/tiny"
+
+
 def test_dry_run_writes_nothing(llama_src, tmp_path):
     r = _prune(llama_src, "--heads", "0:0,2", "-o", tmp_path / "x", "--dry-run", "--json")
     assert r.exit_code == 0, r.stderr
@@ -206,6 +242,10 @@ def test_bad_targets_exit_2_with_one_line_and_write_nothing(llama_src, tmp_path)
         (["--scores", other_scores, "--fraction", "0.2"], "fingerprint"),
         (["--heads", "7:0"], "layer 7"),
         (["--heads", "0:0"], "unequal"),
+        (["--heads", "0:0,2,0"], "layer 0 head 0 is listed twice"),
+        (["--heads", "0;1:2"], "head 0 has no layer before it"),
+        (["--heads", "0:9"], "layer 0 has query heads 0..3, not 9"),
+        (["--heads", "layer0"], "LAYER:HEAD,HEAD;LAYER:HEAD"),
     ]
     for args, msg in cases:
         r = _prune(llama_src, *args, "-o", out)

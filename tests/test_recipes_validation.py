@@ -79,3 +79,29 @@ def test_not_yaml_and_missing(tmp_path):
     p.write_text("- just\n- a list\n")
     with pytest.raises(UsageError, match="a recipe is a mapping"):
         load_recipe(p)
+
+
+def test_the_demo_description_says_what_its_steps_do():
+    """`headtool demo` prints the builtin recipe's description: one part per step, each stating
+    the step as configured (it once promised one query head per KV group while the prune step
+    removed 20% of query heads over all layers)."""
+    from importlib import resources
+
+    with resources.as_file(resources.files("headtool") / "builtin_recipes" / "demo.yaml") as path:
+        recipe = load_recipe(path)
+    parts = [p.strip() for p in recipe.values["description"].split(" -> ")]
+    assert len(parts) == len(recipe.steps), parts
+    for part, step in zip(parts, recipe.steps):
+        name = step["step"]
+        assert part.split()[0] == {"convert_gqa": "merge"}.get(name, name), part
+        if name == "score":
+            assert f"({step['method']})" in part
+        elif name == "prune":
+            assert f"{step['fraction']:.0%} of query heads" in part, part
+            assert ("over all layers" in part) == (step.get("scope", "global") == "global"), part
+            assert ("one query head per KV group" in part) == (step.get("unit") == "query"), part
+            assert ("(compensated)" in part) == bool(step.get("compensate")), part
+        elif name == "convert_gqa":
+            assert f"to {step['kv_heads']} KV head" in part and f"({step['merge']})" in part, part
+        elif name == "eval":
+            assert ("held-out" in part) == bool((step.get("data") or {}).get("skip_samples")), part

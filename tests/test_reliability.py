@@ -250,6 +250,10 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
     ("heads-layer-out-of-range", lambda e: _prune(e, e.m(), "--heads", "99:0"), ("99",)),
     ("heads-head-out-of-range", lambda e: _prune(e, e.m(), "--heads", "0:7"), ("7",)),
     ("heads-empty-list", lambda e: _prune(e, e.m(), "--heads", ";;"), ("--heads",)),
+    ("heads-listed-twice", lambda e: _prune(e, e.m(), "--heads", "0:0,2;0:2"), ("listed twice",)),
+    ("heads-without-layer", lambda e: _prune(e, e.m(), "--heads", "2,0:1"), ("no layer",)),
+    ("inspect-heads-garbage", lambda e: ["inspect", e.m(), "--data", str(e.base / "text.txt"), "--heads", "0-1",
+                                         "--plot", str(e.tmp / "png")], ("--heads",)),
     ("heads-whole-layer", lambda e: _prune(e, e.m(), "--heads", "0:0,1,2,3"), ("layer 0", "min")),
     ("heads-and-fraction", lambda e: _prune(e, e.m(), "--heads", "0:0,2", "--fraction", "0.2"), ("--heads",)),
     ("shard-size-garbage", lambda e: _prune(e, e.m(), "--heads", "0:0,2", "--shard-size", "lots"),
@@ -362,8 +366,25 @@ def test_bad_input(name, build, words, base: Path, tmp_path: Path) -> None:
         assert strays(env.out.parent, env.out.name) == []
 
 
-def test_case_table_is_large() -> None:
-    assert len(CASES) >= 30
+# commands that take no model, data or file from the user beyond an output folder
+NO_BAD_INPUT_CASE = {"demo": "runs a fixed recipe on a packaged model; its only input is -o"}
+
+
+def test_every_command_has_bad_input_cases(base: Path, tmp_path: Path) -> None:
+    """The app's commands against the table: a command added without a bad-input case fails."""
+    import typer
+
+    commands = set(typer.main.get_command(app).commands)
+    tested = set()
+    for i, (name, build, _) in enumerate(CASES):
+        env = Env(base=base, tmp=tmp_path / str(i), out=tmp_path / str(i) / "out")
+        env.tmp.mkdir()
+        try:
+            tested.add(build(env)[0])
+        except pytest.skip.Exception:
+            continue
+    assert tested <= commands, tested - commands
+    assert commands - tested == set(NO_BAD_INPUT_CASE), commands - tested
 
 
 @pytest.mark.parametrize("args", [

@@ -5,7 +5,7 @@ import pytest
 
 from headtool.arch import LayerHeads
 from headtool.errors import UsageError
-from headtool.surgery.selection import (Target, candidate_sets, choose_removal, parse_heads, removal_steps,
+from headtool.surgery.selection import (Target, candidate_sets, choose_removal, head_pairs, parse_heads, removal_steps,
     select_heads, selection_from_removed)
 
 MHA = [LayerHeads(4, 4, 8)] * 3
@@ -77,10 +77,27 @@ def test_scores_of_the_wrong_shape():
 
 def test_parse_heads_and_its_errors():
     assert parse_heads("2:3,1; 0:0 ;", MHA) == {0: [0], 2: [1, 3]}
+    assert parse_heads("", MHA) == parse_heads("  ", MHA) == {}  # prune: remove none
     for text, msg in [("1-2", "cannot read"), ("5:0", "layer 5 does not exist"), ("0:4", "not 4"),
-                      ("0:a", "cannot read")]:
-        with pytest.raises(UsageError, match=msg):
+                      ("0:a", "cannot read"), ("0:-1", "cannot read"), ("3", "no layer before it"),
+                      ("1,0:2", "no layer before it"), ("0:1,1", "head 1 is listed twice"),
+                      ("0:1;0:1", "head 1 is listed twice"), ("1:2,1:2", "listed twice"), (";;", "lists no heads"),
+                      (",", "lists no heads"), ("0:", "cannot read"), (":1", "cannot read"), ("0:1:2", "cannot read")]:
+        with pytest.raises(UsageError, match=msg) as e:
             parse_heads(text, MHA)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    "0:1,3;2:0",        # prune's form: layers separated by ';', heads by ','
+    "0:1,0:3,2:0",      # inspect's older form: LAYER:HEAD pairs separated by ','
+    "0:1,3,2:0",        # mixed: an item with ':' starts a new layer
+    "2:0; 0:3,1",       # any order, spaces, one layer given twice with different heads
+    "0:3;0:1;2:0;",
+])
+def test_one_grammar_reads_both_forms(text):
+    assert parse_heads(text, MHA) == {0: [1, 3], 2: [0]}
+    assert head_pairs(parse_heads(text, MHA)) == [(0, 1), (0, 3), (2, 0)]
 
 
 def test_explicit_removal_checks_gqa_and_min_heads():

@@ -20,14 +20,28 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def backend_for(device: torch.device | str | None) -> str:
+    """The process-group backend for the device a run computes on: nccl on CUDA, else gloo.
+
+    `device` is what the run uses ('cpu', 'cuda:1', a torch.device); 'auto' or None mean what
+    `--device auto` picks, CUDA when it is available.
+    """
+    if device is None or str(device) == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):  # not a device name: the loader reports it
+        kind = str(device)
+    return "nccl" if kind == "cuda" else "gloo"
+
+
 def init_from_env(device: torch.device | None = None) -> None:
     """Join the process group that the launcher describes (gloo on CPU, nccl on CUDA)."""
     import torch.distributed as dist
 
     if not launched() or dist.is_initialized():
         return
-    backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend_for(device if device is not None else "cpu"))
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -90,15 +104,16 @@ class World:
         return self.rank == 0
 
 
-def world_from_env() -> World:
-    """Join the process group that torchrun / accelerate launch set up (gloo on CPU, nccl on CUDA)."""
+def world_from_env(device: torch.device | str | None = "auto") -> World:
+    """Join the process group that torchrun / accelerate launch set up, with the backend of the
+    device the run uses (`backend_for`: gloo for --device cpu even where CUDA exists)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend_for(device))
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 

@@ -7,8 +7,8 @@ from .families import ALL_ADAPTERS
 
 _BY_MODEL_TYPE: dict[str, Adapter] = {mt: a for a in ALL_ADAPTERS for mt in a.model_types}
 
-# Architecture class-name stems -> model_type (for configs whose model_type is custom,
-# e.g. a headtool output with a renamed type or a fine-tune that kept the class name).
+# Architecture class-name stems -> model_type (for configs whose model_type is custom, e.g. a
+# fine-tune that kept the class name; headtool's own outputs keep the family's model_type).
 _BY_ARCH_STEM: dict[str, str] = {
     "Bert": "bert", "Roberta": "roberta", "XLMRoberta": "xlm-roberta", "Electra": "electra",
     "GPT2": "gpt2", "GPTNeoX": "gpt_neox", "OPT": "opt", "Llama": "llama", "Mistral": "mistral",
@@ -33,10 +33,8 @@ def _stem(arch: str) -> str | None:
 def adapter_for(config) -> Adapter:
     """The adapter for `config`; unsupported families are a usage error naming the supported ones."""
     model_type = getattr(config, "model_type", None)
-    original = getattr(config, "headtool_model_type", None)  # set on headtool's remote-code outputs
-    for mt in (original, model_type):
-        if mt in _BY_MODEL_TYPE:
-            return _BY_MODEL_TYPE[mt]
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
     for arch in getattr(config, "architectures", None) or []:
         stem = _stem(arch)
         if stem in _BY_ARCH_STEM:

@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-try:  # typer >= 0.20 vendors click
+try:  # typer >= 0.26 vendors click (pyproject pins the typer versions this was tested with)
     from typer._click import exceptions as click_exc
-except ImportError:  # pragma: no cover
+except ImportError:  # typer < 0.26 uses click itself
     from click import exceptions as click_exc
 
 from ..console import err_console, print_json

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -147,7 +149,7 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
            "(it needs only torch and transformers): load with `trust_remote_code=True`.")
     lines = [
         "---", "library_name: transformers", "tags:", "- headtool", f"- {op}", "---", "",
-        f"# {op} of {src.get('path', 'a model')}", "",
+        f"# {op} of {src.get('ref') or src.get('path') or 'a model'}", "",
         f"Written by headtool {__version__} (`{op}`). Config kind: **{kind}**. {why}", "",
         "```python", load, "```", "",
     ]
@@ -164,14 +166,40 @@ def output_kind(model) -> str:
 
 
 @contextmanager
-def temp_folder(target: Path):
-    """A hidden temporary folder beside `target`, removed again if anything fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+def _sigint_held():
+    """Hold Ctrl-C (SIGINT) back for a short critical step and deliver it right after.
+
+    A KeyboardInterrupt can otherwise land between creating a folder and recording it for
+    cleanup, or between the two renames that swap an output into place. Only the main thread
+    receives KeyboardInterrupt (and may set handlers); elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # now, with the handler that was in place
+
+
+@contextmanager
+def temp_folder(target: Path):
+    """A hidden temporary folder beside `target`, removed again if anything fails (Ctrl-C
+    included: the folder is created and recorded, and removed, with SIGINT held back)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp: Path | None = None
+    try:
+        with _sigint_held():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            with _sigint_held():
+                shutil.rmtree(tmp, ignore_errors=True)
         raise
     if tmp.exists():  # not moved into place
         shutil.rmtree(tmp, ignore_errors=True)
@@ -183,8 +211,10 @@ def finish_folder(tmp: Path, target: Path, *, model, source, tokenizer, meta: di
     already there), then the atomic move to `target`."""
     _fix_config(tmp, model, kind)
     _copy_inputs(source, tokenizer, tmp)
+    # the source as the user named it (`ref`: a packaged name, hub id or path as typed), then the
+    # folder it resolved to (`path`: for GGUF and packaged models a converted copy in the cache)
     doc = {"format": FORMAT, **meta,
-           "source": {"path": getattr(source, "path", None), "ref": getattr(source, "ref", None),
+           "source": {"ref": getattr(source, "ref", None), "path": getattr(source, "path", None),
                       "fingerprint": getattr(source, "fingerprint", None), **meta.get("source", {})},
            "config_kind": kind, "headtool_version": __version__}
     (tmp / "headtool.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -198,8 +228,9 @@ def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict
                  overwrite: bool = False, shard_size: str | int = "5GB") -> dict[str, Any]:
     """Write `model` (already resized in memory) as a folder at `out`, atomically.
 
-    `source` is the LoadedModel of the input (its path and fingerprint go into headtool.json;
-    its tokenizer files and generation config are copied). Returns {"path", "config_kind", "files"}.
+    `source` is the LoadedModel of the input (its reference as typed, resolved path and
+    fingerprint go into headtool.json, the reference names it in the model card; its tokenizer
+    files and generation config are copied). Returns {"path", "config_kind", "files"}.
     """
     target = check_output_target(out, getattr(source, "path", None), overwrite)
     shard_bytes = parse_size(shard_size)
@@ -223,7 +254,15 @@ def _auto_name(model) -> str:
 
 
 def _replace(tmp: Path, target: Path) -> None:
-    """Move the finished folder into place; an old folder (with --overwrite) goes only then."""
+    """Move the finished folder into place; an old folder (with --overwrite) goes only then.
+
+    Ctrl-C is held back until the swap is done, so that it never leaves the old folder parked
+    in a hidden `.NAME.old-*` folder with nothing at `target`."""
+    with _sigint_held():
+        _swap(tmp, target)
+
+
+def _swap(tmp: Path, target: Path) -> None:
     if target.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
         os.replace(target, trash / "old")

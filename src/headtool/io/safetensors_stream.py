@@ -22,8 +22,16 @@ from ..errors import UsageError
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "C64": torch.complex64,
 }
+# the other one-value-per-element dtypes of safetensors, where this torch has them (float8 since
+# 2.1, uint16/32/64 since 2.3, float8_e8m0fnu since 2.7): read, written and copied through like
+# the rest. Sub-byte formats (F4, F6_*) have no such torch dtype and stay unreadable.
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2", "float8_e5m2"),
+                     ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E8M0", "float8_e8m0fnu"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if isinstance(getattr(torch, _attr, None), torch.dtype):
+        DTYPES[_name] = getattr(torch, _attr)
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ALIGN = 8  # header padded so that tensor data starts 8-byte aligned
 
@@ -46,6 +54,23 @@ class TensorEntry:
         return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
 
 
+def _check_entry(path: Path, name: str, entry) -> None:
+    """One tensor of a header: a dtype headtool reads, a shape and byte offsets that agree."""
+    ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+          and isinstance(entry.get("shape"), list) and all(isinstance(s, int) and s >= 0 for s in entry["shape"])
+          and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+          and all(isinstance(o, int) and o >= 0 for o in entry["data_offsets"]))
+    if not ok:
+        raise UsageError(f"{path}: corrupt safetensors header (tensor {name!r} lacks a dtype, shape or offsets)")
+    if entry["dtype"] not in DTYPES:
+        raise UsageError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which headtool cannot read "
+                         f"(it reads {', '.join(DTYPES)})")
+    start, stop = entry["data_offsets"]
+    if stop - start != TensorEntry(name, "", entry["dtype"], tuple(entry["shape"])).nbytes:
+        raise UsageError(f"{path}: corrupt safetensors header (tensor {name!r}: {stop - start} bytes for "
+                         f"{entry['dtype']}{entry['shape']})")
+
+
 def read_header(path: str | os.PathLike) -> dict:
     """The JSON header of a safetensors file; a corrupt or truncated file is a UsageError."""
     p = Path(path)
@@ -61,6 +86,11 @@ def read_header(path: str | os.PathLike) -> dict:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UsageError(f"{p}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise UsageError(f"{p}: corrupt safetensors header (not a JSON object)")
+    for name, v in header.items():
+        if name != "__metadata__":
+            _check_entry(p, name, v)
     end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if end > size:
         raise UsageError(f"{p}: truncated safetensors file ({size} bytes, header promises {end})")

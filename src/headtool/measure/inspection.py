@@ -350,24 +350,3 @@ def attention_pattern(model, input_ids: torch.Tensor, heads: Sequence[tuple[int,
     with eager_attention(model):
         atts = attention_probs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return {(l, h): atts[l][0, h].float().cpu() for l, h in heads}
-
-
-def parse_heads(spec: str, geometry: Sequence[LayerHeads]) -> list[tuple[int, int]]:
-    """'3:1,5:0' -> [(3, 1), (5, 0)], checked against the model's layers and heads."""
-    out = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        try:
-            l_s, h_s = part.split(":")
-            layer, head = int(l_s), int(h_s)
-        except ValueError:
-            raise UsageError(f"--heads: {part!r} is not LAYER:HEAD (e.g. --heads 3:1,5:0)") from None
-        if not 0 <= layer < len(geometry):
-            raise UsageError(f"--heads {part}: layer {layer} out of range 0..{len(geometry) - 1}")
-        if not 0 <= head < geometry[layer].num_heads:
-            raise UsageError(f"--heads {part}: head {head} out of range 0..{geometry[layer].num_heads - 1}")
-        out.append((layer, head))
-    if not out:
-        raise UsageError("--heads is empty; give LAYER:HEAD pairs such as 3:1,5:0")
-    return out

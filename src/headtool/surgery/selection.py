@@ -222,38 +222,55 @@ def select_heads(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHead
 
 
 # ----------------------------------------------------------------------------- explicit lists
-_SEGMENT = re.compile(r"^\s*(\d+)\s*:\s*(\d+(?:\s*,\s*\d+)*)\s*$")
+# One grammar for `--heads` everywhere (prune, prune --streaming, recipes, inspect): layers
+# separated by ';', each `LAYER:HEAD,HEAD...`. A comma-separated item that has a ':' starts a new
+# layer, so the older pair list "3:1,5:0" (layer 3 head 1, layer 5 head 0) reads the same way.
+HEADS_GRAMMAR = 'LAYER:HEAD,HEAD;LAYER:HEAD, e.g. "3:0,5;7:2" (layer 3 heads 0 and 5, layer 7 head 2)'
+_ITEM = re.compile(r"^(?:(\d+)\s*:\s*)?(\d+)$")
 
 
-def parse_heads(text: str, geometry: Sequence[LayerHeads]) -> dict[int, list[int]]:
-    """Parse `--heads "3:0,5;7:2"` (heads to remove, `layer:heads`, layers separated by ';').
+def parse_heads(text: str, geometry: Sequence[LayerHeads], option: str = "--heads") -> dict[int, list[int]]:
+    """Query heads per layer from a head list: `"3:0,5;7:2"` -> {3: [0, 5], 7: [2]}.
 
-    An empty string explicitly removes nothing (the output reproduces the model); separators
-    with nothing between them (";;") are a typo and an error.
+    Layers are separated by ';' and a comma-separated item with a ':' starts a new layer, so
+    `"3:1,5:0"` -> {3: [1], 5: [0]} and `"3:0,5;7:2"` mean what they look like. A blank string
+    lists nothing ({}: prune then reproduces the model); empty items between separators are
+    skipped, but a list of separators only (";;") is a typo. Unknown layers, heads out of range,
+    a head listed twice and anything else are a UsageError of one line.
     """
-    removed: dict[int, set[int]] = {}
     if not text.strip():
         return {}
-    if not any(seg.strip() for seg in text.split(";")):
-        raise UsageError(f"--heads {text!r} lists no heads; write layer:head,head;layer:head (e.g. \"3:0,5;7:2\"), "
-                         "or --heads \"\" to remove none")
+    found: dict[int, list[int]] = {}
     for seg in text.split(";"):
-        if not seg.strip():
-            continue
-        m = _SEGMENT.match(seg)
-        if not m:
-            raise UsageError(f"--heads: cannot read {seg.strip()!r}; write layer:head,head;layer:head "
-                             "(e.g. \"3:0,5;7:2\")")
-        layer = int(m.group(1))
-        if layer >= len(geometry):
-            raise UsageError(f"--heads: layer {layer} does not exist (the model has layers 0..{len(geometry) - 1})")
-        heads = [int(h) for h in m.group(2).split(",")]
-        bad = [h for h in heads if h >= geometry[layer].num_heads]
-        if bad:
-            raise UsageError(f"--heads: layer {layer} has query heads 0..{geometry[layer].num_heads - 1}, "
-                             f"not {', '.join(map(str, bad))}")
-        removed.setdefault(layer, set()).update(heads)
-    return {layer: sorted(h) for layer, h in sorted(removed.items())}
+        layer: int | None = None
+        for item in (i.strip() for i in seg.split(",")):
+            if not item:
+                continue
+            m = _ITEM.match(item)
+            if not m:
+                raise UsageError(f"{option}: cannot read {item!r}; write {HEADS_GRAMMAR}")
+            if m.group(1) is not None:
+                layer = int(m.group(1))
+            elif layer is None:
+                raise UsageError(f"{option}: head {item} has no layer before it; write {HEADS_GRAMMAR}")
+            head = int(m.group(2))
+            if layer >= len(geometry):
+                raise UsageError(f"{option}: layer {layer} does not exist (the model has layers "
+                                 f"0..{len(geometry) - 1})")
+            if head >= geometry[layer].num_heads:
+                raise UsageError(f"{option}: layer {layer} has query heads 0..{geometry[layer].num_heads - 1}, "
+                                 f"not {head}")
+            if head in found.get(layer, ()):
+                raise UsageError(f"{option}: layer {layer} head {head} is listed twice")
+            found.setdefault(layer, []).append(head)
+    if not found:
+        raise UsageError(f"{option} {text!r} lists no heads; write {HEADS_GRAMMAR}")
+    return {layer: sorted(h) for layer, h in sorted(found.items())}
+
+
+def head_pairs(heads: dict[int, Sequence[int]]) -> list[tuple[int, int]]:
+    """{3: [0, 5], 7: [2]} -> [(3, 0), (3, 5), (7, 2)]."""
+    return [(layer, h) for layer, hs in sorted(heads.items()) for h in hs]
 
 
 def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence[LayerHeads],

@@ -80,6 +80,11 @@ def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
         raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
     config = load_config(path, source, trust_remote_code)
     adapter = adapter_for(config)
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise UsageError(f"{ref}: a quantized checkpoint ({method or 'quantization_config'}); streaming surgery slices "
+                         "plain weights and would leave their scales behind: give a dequantized copy")
     lazy = LazyCheckpoint(path)
     return CheckpointRef(ref, path, config, adapter, lazy, pick_task(config))
 

@@ -1,4 +1,4 @@
-# Written by headtool (https://github.com/) into a pruned / merged checkpoint.
+# Written by headtool into a pruned / merged checkpoint.
 #
 # The attention layers of this model have head counts that the family's stock config cannot
 # express (a different count per layer, or a family whose head_dim is derived from the width).
@@ -6,7 +6,7 @@
 # in config.json ("headtool_head_layout"), following the recipe in "headtool_resize_spec".
 # It needs only torch and transformers; load with
 #     AutoModelFor...from_pretrained(folder, trust_remote_code=True)
-# headtool itself uses the same functions (headtool.resize) for models in memory.
+# headtool itself uses the same functions (headtool.model.resize) for models in memory.
 from __future__ import annotations
 
 import torch

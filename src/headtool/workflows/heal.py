@@ -76,7 +76,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     req.validate()
     if req.eval_samples < 1:
         raise UsageError(f"--eval-samples must be at least 1 (got {req.eval_samples})")
-    world = world_from_env()
+    world = world_from_env(req.load.device)
     load_kwargs = req.load.kwargs()
     state_dir = state_folder(req.output)
     student_path, _ = resolve_ref(req.student)

@@ -10,10 +10,11 @@ from ..console import info
 from ..data.batches import make_batches
 from ..data.sources import DataSpec
 from ..errors import UsageError
-from ..measure.inspection import FORMAT, inspect_heads, parse_heads
+from ..measure.inspection import FORMAT, inspect_heads
 from ..model.info import model_info
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import LoadOptions
+from ..surgery.selection import HEADS_GRAMMAR, head_pairs, parse_heads
 from ..version import __version__
 
 DEFAULT_SAMPLES = 16
@@ -21,8 +22,9 @@ DEFAULT_SAMPLES = 16
 
 @dataclass(frozen=True)
 class InspectRequest:
-    """The model, the data (default: 16 blocks) and `pattern_heads`, LAYER:HEAD pairs whose
-    attention patterns the caller will draw (checked against the model before any work)."""
+    """The model, the data (default: 16 blocks) and `pattern_heads`, a head list in prune's
+    grammar ("3:0,5;7:2"; "3:1,5:0" too) whose attention patterns the caller will draw (checked
+    against the model before any work)."""
 
     model: str
     top: int = 10
@@ -54,7 +56,11 @@ def run_inspect(req: InspectRequest) -> InspectRun:
     spec = calibration_spec(req.data)
     t0 = time.perf_counter()
     lm = load_model(req.model, attn_implementation="eager", **req.load.kwargs())
-    chosen = parse_heads(req.pattern_heads, lm.geometry) if req.pattern_heads else None
+    chosen = None
+    if req.pattern_heads is not None:
+        chosen = head_pairs(parse_heads(req.pattern_heads, lm.geometry))
+        if not chosen:
+            raise UsageError(f"--heads {req.pattern_heads!r} lists no heads; write {HEADS_GRAMMAR}")
     if lm.tokenizer is None:
         raise UsageError(f"{req.model}: no tokenizer files beside the model")
     task = "classification" if spec.label_column else "plain"

@@ -95,7 +95,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
                                shard_size=req.shard_size)
         kind = written["config_kind"]
     report = {"model": req.model, "output": written, "dry_run": req.dry_run, "config_kind": kind,
-              "source": {"path": lm.path, "fingerprint": lm.fingerprint},
+              "source": {"ref": lm.ref, "path": lm.path, "fingerprint": lm.fingerprint},
               **{k: v for k, v in meta.items() if k not in ("summary",)}, **summary,
               "eval_data": eval_info}
     return PruneRun(result=result, config_kind=kind, eval_info=eval_info, written=written, report=report)

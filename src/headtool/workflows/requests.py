@@ -98,7 +98,9 @@ class PruneRequest:
     output: str | None = option(None, "output folder (written atomically)", flags=("--output", "-o"),
                                 where=RECIPE)
     scores: str | None = option(None, "score document from `headtool score` (a file, or - for stdin)", panel=_H)
-    heads: str | None = option(None, 'explicit heads to remove, layer:heads;... e.g. "3:0,5;7:2"', panel=_H)
+    heads: str | None = option(None, 'explicit heads to remove: LAYER:HEAD,HEAD;LAYER:HEAD, e.g. "3:0,5;7:2" '
+                               '(layer 3 heads 0 and 5, layer 7 head 2); "3:1,5:0" works too (an item with ":" '
+                               'starts a new layer); "" removes none', panel=_H)
     method: str = option("gradient", "with --data and no --scores: scoring method (gradient, ablation, taylor, "
                          "fisher, magnitude, random)", choices=SCORE_METHODS, panel=_H)
     objective: str = option("auto", "auto | lm | mlm | classification | kl (scoring and --eval-data)",

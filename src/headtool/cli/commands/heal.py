@@ -27,7 +27,7 @@ def heal(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions
 
     spec = data_spec or DataSpec()
     opts = HealOptions(**fields.pop("opts"), seed=spec.seed)
-    world = world_from_env()
+    world = world_from_env(load.device)
     try:
         doc = run_heal(HealRequest(**fields, opts=opts, data=spec, load=load))
     finally:

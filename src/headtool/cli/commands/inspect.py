@@ -99,8 +99,10 @@ def inspect_cmd(
     json_out: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write PNG heatmaps (and --heads patterns) "
                                                  "into this folder (needs matplotlib)")] = None,
-    heads: Annotated[Optional[str], typer.Option("--heads", help="LAYER:HEAD pairs whose attention pattern on "
-                                                 "one example is drawn, e.g. 3:1,5:0 (with --plot)")] = None,
+    heads: Annotated[Optional[str], typer.Option("--heads", help="heads whose attention pattern on one example "
+                                                 "is drawn (with --plot), as for prune: LAYER:HEAD,HEAD;LAYER:HEAD, "
+                                                 'e.g. "3:0,5;7:2" (layer 3 heads 0 and 5, layer 7 head 2); '
+                                                 '"3:1,5:0" works too (an item with ":" starts a new layer)')] = None,
     text: Annotated[Optional[str], typer.Option("--text", help="the example text for --heads (default: the "
                                                 "first tokens of the data)")] = None,
     top: Annotated[int, typer.Option("--top", help="how many of the most similar head pairs to list")] = 10,
@@ -110,7 +112,7 @@ def inspect_cmd(
     """What each head does, measured: entropy, distance, first/previous-token mass, redundancy.
 
     Eager attention on real batches (default: 16 blocks of builtin:pydoc). Numbers only.
-    Example: headtool inspect smollm2-135m --json --plot inspect_png --heads 3:1,5:0
+    Example: headtool inspect smollm2-135m --json --plot inspect_png --heads "3:1,5;7:0"
     """
     from ...data.sources import DataSpec
     from ...workflows.inspect import InspectRequest, run_inspect
