@@ -145,6 +145,20 @@ def test_top_p_keeps_the_nucleus():
         == {0, 1, 2, 3}
 
 
+def test_candidate_search_draws_what_a_full_sort_draws(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(6, 50, generator=g) * s for s in (0.3, 1.0, 4.0)])
+    logits[0, :10] = 2.0  # ties, across the candidate boundary too
+    logits[1] = 0.0  # flat: the nucleus is nearly everything
+    u = torch.rand(18, generator=g, dtype=torch.float64)
+    for top_p in (0.3, 0.9, 0.95, 1.0):
+        monkeypatch.setattr(selfgen, "CANDIDATES", ())
+        full = selfgen._draw(logits, u, 1.0, top_p, 50)
+        for k in ((1,), (4,), (12,), (4, 12), (2, 60)):
+            monkeypatch.setattr(selfgen, "CANDIDATES", k)
+            assert torch.equal(selfgen._draw(logits, u, 1.0, top_p, 50), full), (top_p, k)
+
+
 def test_self_info_and_exact_block_length(llama, tok):
     b = make_batches(DataSpec(source="self", seq_len=9, max_samples=5, batch_size=2), tok, "plain", model=llama)
     assert b.info["samples"] == 5 and all(x["input_ids"].shape[1] == 9 for x in b) and "labels" not in b[0]

@@ -61,6 +61,8 @@ GENERATOR_VERSION = 1
 #: Sequences generated at once: enough rows to keep a CPU busy, a bounded KV cache on a GPU.
 GENERATION_TOKENS = 16384
 MAX_GENERATION_BATCH = 64
+#: Most likely tokens searched for the nucleus (in turn) before a full sort of the vocabulary.
+CANDIDATES = (1024, 8192)
 
 
 @dataclass
@@ -144,25 +146,57 @@ def _block_uniforms(seed: int, index: int, steps: int) -> torch.Tensor:
     return torch.rand(steps, generator=g, dtype=torch.float64)
 
 
+def _ordered(p: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates in the canonical order: probability descending, ties by token id."""
+    by_id = torch.argsort(idx, dim=-1)
+    p, idx = p.gather(1, by_id), idx.gather(1, by_id)
+    by_p = torch.sort(p, dim=-1, descending=True, stable=True).indices
+    return p.gather(1, by_p), idx.gather(1, by_p)
+
+
+def _nucleus_draw(p: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Inverse-CDF draws over the nucleus of candidates `p` (ordered by probability, ties by id)."""
+    before = torch.cumsum(p, dim=-1) - p  # mass of the more likely tokens
+    kept = torch.where(before < top_p, p, torch.zeros_like(p))
+    kept[:, 0] = p[:, 0]
+    cdf = torch.cumsum(kept.double(), dim=-1)
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    pos = torch.searchsorted(cdf, target, right=True)
+    n_kept = (kept > 0).sum(dim=-1, keepdim=True).clamp_(min=1)
+    pos = torch.minimum(pos, n_kept - 1)
+    return idx.gather(1, pos).squeeze(1)
+
+
 def _draw(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, vocab: int) -> torch.Tensor:
     """One token per row by inverse-CDF sampling from the top-p nucleus of softmax(logits / T).
 
-    The nucleus is the smallest set of most likely tokens whose mass reaches top_p (at
-    least one token); ties are broken by token id, so a row's draw depends only on its logits
-    and its uniform.
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p (at least
+    one token), ties broken by token id, so a row's draw depends only on its logits and its
+    uniform. Sorting a whole vocabulary every step is slow, so the nucleus is looked for among
+    the most likely CANDIDATES[0] tokens, then CANDIDATES[1], and only then in a full sort;
+    a row moves on when its nucleus may reach past the candidates (or its last nucleus token
+    ties with the least candidate): every row gets what a full sort gives.
     """
-    logits = logits[:, :vocab].float() / temperature
-    probs = torch.softmax(logits, dim=-1)
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the more likely tokens
-    kept = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
-    kept[:, 0] = sorted_p[:, 0]
-    cdf = torch.cumsum(kept.double(), dim=-1)
-    target = u.to(cdf.device, torch.float64).unsqueeze(1) * cdf[:, -1:]
-    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
-    n_kept = (kept > 0).sum(dim=-1, keepdim=True).clamp_(min=1)
-    pos = torch.minimum(pos, n_kept - 1)
-    return order.gather(1, pos).squeeze(1)
+    probs = torch.softmax(logits[:, :vocab].float() / temperature, dim=-1)
+    u = u.to(probs.device, torch.float64)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    for k in (*CANDIDATES, vocab):
+        k = min(k, vocab)
+        if k == vocab:
+            p, idx = torch.sort(probs[rows], dim=-1, descending=True, stable=True)
+            out[rows] = _nucleus_draw(p, idx, u[rows], top_p)
+            return out
+        p, idx = _ordered(*torch.topk(probs[rows], k, dim=-1))
+        before = torch.cumsum(p, dim=-1) - p
+        last = (before < top_p).sum(dim=-1).clamp_(min=1) - 1  # position of the last nucleus token
+        inside = p.gather(1, last.unsqueeze(1)).squeeze(1) > p[:, -1]
+        if bool(inside.any()):
+            out[rows[inside]] = _nucleus_draw(p[inside], idx[inside], u[rows[inside]], top_p)
+        rows = rows[~inside]
+        if rows.numel() == 0:
+            return out
+    return out
 
 
 def _cache_kwarg(module: Any) -> str:
