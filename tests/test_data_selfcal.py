@@ -345,6 +345,17 @@ def test_mixture_ends_where_a_source_runs_out(tmp_path, tok):
     assert capped.info["samples"] == 2 * n_small + 1
 
 
+def test_self_without_n_or_cap_is_128_blocks_in_a_mixture_too(tmp_path, tok, llama, monkeypatch):
+    from headtool.data import batches
+
+    monkeypatch.setattr(batches, "DEFAULT_SELF_SAMPLES", 3)
+    a, _ = _files(tmp_path)
+    mix = make_batches(DataSpec(source=f"{a}+self", seq_len=8), tok, "lm", model=llama)
+    assert [p["samples"] for p in mix.info["mixture"]] == [4, 3]  # a s a s a s a: then self has given 3
+    skipped = make_batches(DataSpec(source=f"{a}+self", seq_len=8, skip_samples=2), tok, "lm", model=llama)
+    assert [p["samples"] for p in skipped.info["mixture"]] == [4, 3]
+
+
 def test_mixture_mlm_and_errors(tmp_path, tok):
     a, b = _files(tmp_path)
     bert = bert_tokenizer()

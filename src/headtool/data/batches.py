@@ -373,17 +373,21 @@ class _Part:
 
 
 def _mixture_length(parts: list[_Part], skip: int) -> int:
-    """Positions (skipped included) until the first finite source runs out."""
-    finite = [p.available for p in parts]
-    if all(a is None for a in finite):
-        return skip + DEFAULT_SELF_SAMPLES
+    """Positions (skipped included) until the first source runs out, without a cap.
+
+    A ``self`` without N counts as DEFAULT_SELF_SAMPLES blocks after its share of the
+    skipped ones (as it does alone), so ``builtin:pydoc+self`` does not generate a block of
+    text for every block of pydoc.
+    """
     w = [p.weight for p in parts]
+    skipped = mixture_schedule(w, skip)
+    finite = [p.available if p.available is not None or not p.is_self
+              else skipped.count(i) + DEFAULT_SELF_SAMPLES for i, p in enumerate(parts)]
     counts = [0] * len(parts)
     length = 0
     while True:
         i = min(range(len(w)), key=lambda j: ((counts[j] + 1) / w[j], j))
-        a = finite[i]
-        if a is not None and counts[i] >= a:
+        if counts[i] >= finite[i]:
             return length
         counts[i] += 1
         length += 1

@@ -11,7 +11,8 @@ Sources (``DataSpec.source``): a local ``.txt``, ``.jsonl``, ``.json``, ``.csv``
 the default calibration corpus, nothing to download), a hub dataset
 ``name[:config]``, or ``self`` / ``self:N``: text sampled from the model being compressed
 (self-calibration, ``selfgen``; N blocks, default as many as --max-samples / --num-tokens
-ask for, else 128), which ``make_batches`` makes only when it is given the model.
+ask for, else 128, in a mixture too), which ``make_batches`` makes only when it is given
+the model.
 
 Mixtures: one ``--data`` string may combine sources, each with an optional weight::
 
