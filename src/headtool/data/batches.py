@@ -4,6 +4,12 @@ examples for classification; the same spec and tokenizer always give byte-identi
 Selection is prefix-stable: blocks (or examples) are ordered by a seeded shuffle
 that does not depend on ``max_samples`` or ``skip_samples``, so
 ``skip_samples=N`` with the same seed always gives data disjoint from the first N.
+
+``self`` sources (text sampled from the model, ``selfgen``) need the model: pass it as
+``make_batches(spec, tokenizer, task, model=lm)``. Their blocks are taken in generation order
+(block i is the same sample whatever is asked for), so ``skip_samples=N`` gives the blocks after
+the first N. Mixtures (``a.txt*3+self``; grammar in ``sources``) interleave their sources' blocks
+by weighted round-robin; max/num-tokens/skip count blocks of the whole mixture.
 """
 from __future__ import annotations
 
@@ -12,13 +18,16 @@ import json
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any
 
 import torch
 
 from ..errors import UsageError
-from .sources import DataSpec, load_source
+from .selfgen import DEFAULT_SELF_SAMPLES, self_blocks
+from .sources import DataSpec, SourcePart, load_source, parse_sources, self_source
 
 log = logging.getLogger(__name__)
 
@@ -232,16 +241,31 @@ def _base_info(spec: DataSpec, task: str, split: str | None) -> dict:
     return info
 
 
-def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
-    loaded = load_source(spec, want_labels=False)
-    where = spec.source if spec.source != "-" else "stdin"
-    if not any(t.strip() for t in loaded.texts):
-        raise UsageError(f"no text found in {where}" + (f" (column '{loaded.text_column}')" if loaded.text_column else ""))
+@dataclass
+class _Read:
+    """One text source read far enough into blocks: its stream, block count and provenance."""
+
+    loaded: Any
+    where: str
+    stream: list[int]
+    n_blocks: int
+    exhausted: bool
+
+
+def _block_len(spec: DataSpec, tokenizer: Any, task: str) -> tuple[int, tuple[int, int] | None]:
     wrap = _encoder_wrap(tokenizer, task)
     block = spec.seq_len - 2 if wrap else spec.seq_len
     if block < 1:
         raise UsageError(f"--seq-len must be at least 3 for encoder inputs ([CLS] text [SEP]); got {spec.seq_len}")
-    cap = _sample_cap(spec)
+    return block, wrap
+
+
+def _read_blocks(spec: DataSpec, tokenizer: Any, block: int, cap: int | None, wrap: Any) -> _Read:
+    """Tokenize a source far enough for skip_samples + cap blocks (whole chunks), or fully."""
+    loaded = load_source(spec, want_labels=False)
+    where = spec.source if spec.source != "-" else "stdin"
+    if not any(t.strip() for t in loaded.texts):
+        raise UsageError(f"no text found in {where}" + (f" (column '{loaded.text_column}')" if loaded.text_column else ""))
     chunk = max(1, CHUNK_TOKENS // spec.seq_len)
     target = None if cap is None else math.ceil((spec.skip_samples + cap) / chunk) * chunk
     stream, exhausted = _token_stream(tokenizer, loaded.texts, block, target)
@@ -254,8 +278,20 @@ def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
             f"{where} has only {len(stream)} tokens, fewer than one block of --seq-len {spec.seq_len}; "
             f"use --seq-len {max(2, len(stream) + extra)} or less, or more text"
         )
-    chosen, selection = _select(n_blocks, chunk, spec, cap, f"blocks of {spec.seq_len} tokens")
-    ids = torch.tensor(stream[: n_blocks * block], dtype=torch.long).view(n_blocks, block)[chosen]
+    return _Read(loaded, where, stream, n_blocks, exhausted)
+
+
+def _choose_blocks(read: _Read, spec: DataSpec, block: int, cap: int | None) -> tuple[torch.Tensor, str]:
+    """The chosen blocks [n, block] in corpus order and how they were chosen."""
+    chunk = max(1, CHUNK_TOKENS // spec.seq_len)
+    chosen, selection = _select(read.n_blocks, chunk, spec, cap, f"blocks of {spec.seq_len} tokens")
+    ids = torch.tensor(read.stream[: read.n_blocks * block], dtype=torch.long).view(read.n_blocks, block)[chosen]
+    return ids, selection
+
+
+def _block_tensors(ids: torch.Tensor, spec: DataSpec, tokenizer: Any, task: str, wrap: Any,
+                   info: dict) -> dict[str, torch.Tensor]:
+    """Blocks [n, block] -> model inputs (encoder-wrapped, labels or masking for the task)."""
     if wrap:
         cls, sep = wrap
         ids = torch.cat(
@@ -263,24 +299,33 @@ def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
             dim=1,
         )
     tensors: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    info = _base_info(spec, task, loaded.split)
     if task == "lm":
         tensors["labels"] = ids.clone()
     elif task == "mlm":
         tensors["input_ids"], tensors["labels"] = _mask_tokens(ids, tokenizer, spec.seed)
         info["mlm_probability"] = MLM_PROBABILITY
         info["masked_tokens"] = int((tensors["labels"] != -100).sum())
+    return tensors
+
+
+def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
+    block, wrap = _block_len(spec, tokenizer, task)
+    cap = _sample_cap(spec)
+    read = _read_blocks(spec, tokenizer, block, cap, wrap)
+    ids, selection = _choose_blocks(read, spec, block, cap)
+    info = _base_info(spec, task, read.loaded.split)
+    tensors = _block_tensors(ids, spec, tokenizer, task, wrap, info)
     batches = _split_batches(tensors, spec.batch_size)
     info.update(
         samples=int(ids.shape[0]),
-        tokens=int(ids.numel()),
+        tokens=int(tensors["input_ids"].numel()),
         batch_size=spec.batch_size,
         num_batches=len(batches),
         skip_samples=spec.skip_samples,
         selection=selection,
-        available_samples=n_blocks,
-        corpus_fully_read=exhausted,
-        text_column=loaded.text_column,
+        available_samples=read.n_blocks,
+        corpus_fully_read=read.exhausted,
+        text_column=read.loaded.text_column,
         separator_token_id=_separator_id(tokenizer),
         encoder_wrapped=bool(wrap),
         fingerprint=_fingerprint(batches),
@@ -288,6 +333,203 @@ def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
     if cap is not None:
         info["requested_samples"] = cap
     return Batches(batches, info)
+
+
+# --------------------------------------------------------------------------- self and mixtures
+
+
+def mixture_schedule(weights: Sequence[Fraction | float | int], length: int) -> list[int]:
+    """Which source gives each of the first `length` blocks of a mixture (weighted round-robin).
+
+    Position k goes to the source whose next block is due first, the due time of source i being
+    (blocks it has given + 1) / weight_i; ties go to the source written first. Any prefix holds
+    within one block of each source's share, and the schedule depends only on the weights.
+    """
+    w = [Fraction(x) for x in weights]
+    counts = [0] * len(w)
+    out: list[int] = []
+    for _ in range(length):
+        i = min(range(len(w)), key=lambda j: ((counts[j] + 1) / w[j], j))
+        counts[i] += 1
+        out.append(i)
+    return out
+
+
+@dataclass
+class _Part:
+    """One source of a mixture: what it is, its share and what it gave."""
+
+    source: str
+    weight: Fraction
+    self_n: int | None = None  # self:N (None: self without N, or not self)
+    is_self: bool = False
+    spec: DataSpec | None = None  # a text source's own spec (its columns, split)
+    read: _Read | None = None
+    available: int | None = None  # blocks it can give (None: as many as asked, self without N)
+    skip: int = 0
+    take: int = 0
+    ids: torch.Tensor | None = None
+    info: dict = field(default_factory=dict)
+
+
+def _mixture_length(parts: list[_Part], skip: int) -> int:
+    """Positions (skipped included) until the first source runs out, without a cap.
+
+    A ``self`` without N counts as DEFAULT_SELF_SAMPLES blocks after its share of the
+    skipped ones (as it does alone), so ``builtin:pydoc+self`` does not generate a block of
+    text for every block of pydoc.
+    """
+    w = [p.weight for p in parts]
+    skipped = mixture_schedule(w, skip)
+    finite = [p.available if p.available is not None or not p.is_self
+              else skipped.count(i) + DEFAULT_SELF_SAMPLES for i, p in enumerate(parts)]
+    counts = [0] * len(parts)
+    length = 0
+    while True:
+        i = min(range(len(w)), key=lambda j: ((counts[j] + 1) / w[j], j))
+        if counts[i] >= finite[i]:
+            return length
+        counts[i] += 1
+        length += 1
+
+
+def _part_spec(spec: DataSpec, source: str) -> DataSpec:
+    """A mixture source's own spec: the text column only where there are columns."""
+    plain = source == "-" or source.startswith("builtin:") or source.lower().endswith(".txt")
+    return replace(spec, source=source, text_column=None if plain else spec.text_column, max_samples=None,
+                   num_tokens=None, skip_samples=0)
+
+
+def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, task: str, model: Any) -> Batches:
+    """Blocks of one ``self`` source or of a mixture (see the grammar in ``sources``)."""
+    block, wrap = _block_len(spec, tokenizer, task)
+    cap = _sample_cap(spec)
+    skip = spec.skip_samples
+    mixed = len(parts_in) > 1
+    parts = []
+    for sp in parts_in:
+        is_self, n = self_source(sp.source)
+        p = _Part(sp.source, sp.weight, n, is_self)
+        if is_self:
+            if model is None:
+                raise UsageError("--data self needs the model being compressed (text is sampled from it); "
+                                 "this step was not given the model")
+            p.available = n
+        else:
+            p.spec = _part_spec(spec, sp.source)
+        parts.append(p)
+
+    def context(p: _Part, e: UsageError) -> UsageError:
+        return UsageError(f"{e} (source {p.source!r} of the mixture {spec.source!r})") if mixed else e
+
+    if cap is None:  # as many blocks as the finite sources allow: read them whole
+        for p in parts:
+            if not p.is_self:
+                try:
+                    p.read = _read_blocks(p.spec, tokenizer, block, None, wrap)
+                except UsageError as e:
+                    raise context(p, e) from None
+                p.available = p.read.n_blocks
+        length = _mixture_length(parts, skip)
+    else:
+        length = skip + cap
+    schedule = mixture_schedule([p.weight for p in parts], length)
+    for k, i in enumerate(schedule):
+        if k < skip:
+            parts[i].skip += 1
+        else:
+            parts[i].take += 1
+    if length <= skip:
+        raise UsageError(f"--skip-samples {skip} leaves no data: {spec.source} gives only {length} blocks "
+                         f"of {spec.seq_len} tokens; lower --skip-samples (or --seq-len)")
+
+    for p in parts:
+        if p.is_self:
+            need = p.skip + p.take
+            if p.self_n is not None:
+                need = min(need, p.self_n)
+            if need <= p.skip:
+                p.ids = torch.zeros((0, block), dtype=torch.long)
+                p.info = {"source": p.source, "available_samples": p.self_n}
+                continue
+            sb = self_blocks(model, tokenizer, need, block, seed=spec.seed, temperature=spec.self_temperature,
+                             top_p=spec.self_top_p)
+            p.ids = sb.ids[p.skip:]
+            p.info = {"source": p.source, "available_samples": p.self_n, "selection": "sequential",
+                      "generation": sb.info}
+            continue
+        if p.take == 0:
+            p.ids = torch.zeros((0, block), dtype=torch.long)
+            p.info = {"source": p.source}
+            continue
+        pspec = replace(p.spec, skip_samples=p.skip, max_samples=p.take)
+        try:
+            if p.read is None:
+                p.read = _read_blocks(pspec, tokenizer, block, p.take, wrap)
+            p.ids, selection = _choose_blocks(p.read, pspec, block, p.take)
+        except UsageError as e:
+            raise context(p, e) from None
+        p.info = {"source": p.source, "split": p.read.loaded.split, "text_column": p.read.loaded.text_column,
+                  "available_samples": p.read.n_blocks, "corpus_fully_read": p.read.exhausted,
+                  "selection": selection}
+        if p.source.startswith("builtin:"):
+            p.info["source_version"] = "python " + ".".join(map(str, sys.version_info[:3]))
+
+    rows: list[torch.Tensor] = []
+    used = [0] * len(parts)
+    short = None
+    for i in schedule[skip:]:
+        p = parts[i]
+        assert p.ids is not None
+        if used[i] >= p.ids.shape[0]:
+            short = p
+            break
+        rows.append(p.ids[used[i]])
+        used[i] += 1
+    if not rows:
+        raise UsageError(f"--skip-samples {skip} leaves no data: {short.source if short else spec.source} "
+                         "has no blocks after the skipped ones; lower --skip-samples (or --seq-len)")
+    if short is not None and cap is not None:
+        log.warning("asked for %d blocks of %d tokens but %s ran out after %d; using %d", cap, spec.seq_len,
+                    short.source, used[parts.index(short)], len(rows))
+    ids = torch.stack(rows)
+
+    split = None if mixed else (parts[0].info.get("split"))
+    info = _base_info(spec, task, split)
+    tensors = _block_tensors(ids, spec, tokenizer, task, wrap, info)
+    batches = _split_batches(tensors, spec.batch_size)
+    info.update(
+        samples=int(ids.shape[0]),
+        tokens=int(tensors["attention_mask"].numel()),
+        batch_size=spec.batch_size,
+        num_batches=len(batches),
+        skip_samples=skip,
+    )
+    if mixed:
+        info["selection"] = "mixture"
+        info["mixture"] = [
+            {"source": p.source, "weight": _weight_json(p.weight), "samples": used[i], "skip_samples": p.skip,
+             **{k: v for k, v in p.info.items() if k != "source"}}
+            for i, p in enumerate(parts)
+        ]
+        info["order"] = "weighted round-robin"
+    else:
+        p = parts[0]
+        info["selection"] = "sequential"
+        info["available_samples"] = p.self_n
+        info["generation"] = p.info.get("generation")
+    info.update(
+        separator_token_id=_separator_id(tokenizer),
+        encoder_wrapped=bool(wrap),
+        fingerprint=_fingerprint(batches),
+    )
+    if cap is not None:
+        info["requested_samples"] = cap
+    return Batches(batches, info)
+
+
+def _weight_json(w: Fraction) -> int | float:
+    return int(w) if w.denominator == 1 else float(w)
 
 
 def _label_ids(labels: list, names: list[str] | None, col: str, where: str) -> tuple[list[int], list[str] | None]:
@@ -365,19 +607,34 @@ def _classification_batches(spec: DataSpec, tokenizer: Any) -> Batches:
     return Batches(batches, info)
 
 
-def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm") -> Batches:
+def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = None) -> Batches:
     """Token batches for one task; the same spec and tokenizer always give identical tensors.
 
     task: 'lm' (packed blocks, labels = input_ids), 'mlm' (packed, encoder-wrapped,
     seeded 15% masking, labels -100 except masked positions), 'classification'
     (one padded example per row, labels = class ids [B]) or 'plain' (packed, no labels).
+
+    model: the model being compressed (a LoadedModel, or a causal-LM module), which ``self``
+    sources sample their text from (cached; see ``selfgen``); other sources ignore it.
+    ``spec.source`` may be a mixture (``a.txt*3+self``; grammar in ``sources``).
     """
     _validate(spec, task, tokenizer)
+    parts = parse_sources(spec.source)
+    if len(parts) == 1 and not self_source(parts[0].source)[0]:
+        if parts[0].source != spec.source:  # one source with a weight: the weight means nothing
+            spec = replace(spec, source=parts[0].source)
+        if task == "classification":
+            return _classification_batches(spec, tokenizer)
+        if task == "mlm" and not isinstance(getattr(tokenizer, "mask_token_id", None), int):
+            raise UsageError("masked-LM data needs a tokenizer with a mask token; this tokenizer has none")
+        return _lm_batches(spec, tokenizer, task)
+    what = "--data self" if len(parts) == 1 else f"the mixture --data {spec.source}"
     if task == "classification":
-        return _classification_batches(spec, tokenizer)
+        raise UsageError(f"{what} makes token blocks, not labelled examples; classification takes one "
+                         "labelled source")
     if task == "mlm" and not isinstance(getattr(tokenizer, "mask_token_id", None), int):
         raise UsageError("masked-LM data needs a tokenizer with a mask token; this tokenizer has none")
-    return _lm_batches(spec, tokenizer, task)
+    return _mixed_batches(spec, parts, tokenizer, task, model)
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -8,8 +8,31 @@ give byte-identical batches (scores are reproducible only if their data is).
 Sources (``DataSpec.source``): a local ``.txt``, ``.jsonl``, ``.json``, ``.csv``,
 ``.tsv`` or ``.parquet`` file, a folder written by ``datasets.save_to_disk``, ``-``
 (text on stdin), ``builtin:pydoc`` (the help texts that ship inside every Python:
-the default calibration corpus, nothing to download) or a hub dataset
-``name[:config]``.
+the default calibration corpus, nothing to download), a hub dataset
+``name[:config]``, or ``self`` / ``self:N``: text sampled from the model being compressed
+(self-calibration, ``selfgen``; N blocks, default as many as --max-samples / --num-tokens
+ask for, else 128, in a mixture too), which ``make_batches`` makes only when it is given
+the model.
+
+Mixtures: one ``--data`` string may combine sources, each with an optional weight::
+
+    DATA   := PART ( "+" PART )*
+    PART   := SOURCE [ "*" WEIGHT ]         WEIGHT: a positive number, default 1
+
+for example ``builtin:pydoc+self``, ``'a.txt*3+self*1'`` (quote ``*`` in a shell) or
+``notes.jsonl*0.5+builtin:pydoc``. Spaces around ``+`` and ``*`` are ignored. A string that
+names an existing file or folder is always that one source (a path may contain ``+``); hub
+names cannot contain ``+`` or ``*``. A source may appear only once (give it a weight instead).
+The mixture's blocks are interleaved by weighted round-robin (see ``batches.mixture_schedule``):
+position k goes to the source whose next block is due first, due times being
+(blocks it has given + 1) / weight, ties to the source written first; so weights 3 and 1
+give ``a a a b a a a b ...`` and equal weights alternate. Each source gives the blocks it
+would give alone with --skip-samples and --max-samples set to its share of the skipped and
+taken positions, in its own order; --max-samples, --num-tokens and --skip-samples count
+blocks of the mixture as a whole, so ``skip_samples=k`` gives blocks disjoint from the first
+k. The mixture ends where a source runs out of blocks (the proportions stay as written).
+Mixtures make token blocks (tasks lm, mlm, plain), not classification examples; the split
+and the text column apply to the sources that have columns.
 """
 from __future__ import annotations
 
@@ -20,6 +43,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -30,6 +54,9 @@ __all__ = [
     "DataSpec",
     "load_source",
     "load_texts",
+    "SourcePart",
+    "parse_sources",
+    "self_source",
     "SUPPORTED_SUFFIXES",
     "BUILTIN_SOURCES",
 ]
@@ -53,7 +80,8 @@ TEXT_COLUMN_NAMES = (
 )
 
 SOURCE_HELP = ("text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk folder, hub name[:config], "
-               "'-' for stdin, or builtin:pydoc")
+               "'-' for stdin, builtin:pydoc, self or self:N (text sampled from the model itself), or a "
+               "weighted mixture SOURCE*W+SOURCE*W, e.g. builtin:pydoc+self")
 _PANEL = "Data"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -79,6 +107,73 @@ class DataSpec:
     seed: int = option(0, "seed for sampling and masking", min=0, panel=_PANEL)
     skip_samples: int = option(0, "skip this many blocks first (held-out data disjoint from calibration)",
                                min=0, panel=_PANEL)
+    self_temperature: float = option(1.0, "--data self: sampling temperature of the generated text", above=0,
+                                     panel=_PANEL)
+    self_top_p: float = option(0.95, "--data self: nucleus (top-p) of the generated text", above=0, panel=_PANEL)
+
+
+# --------------------------------------------------------------------------- grammar
+
+_WEIGHTED = re.compile(r"^(?P<source>.*?)\s*\*\s*(?P<weight>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+_SELF = re.compile(r"^self(?::(?P<n>.*))?$")
+
+
+@dataclass(frozen=True)
+class SourcePart:
+    """One source of a ``--data`` string and its weight (1 unless written)."""
+
+    source: str
+    weight: Fraction = Fraction(1)
+
+
+def self_source(source: str) -> tuple[bool, int | None]:
+    """(is it ``self`` / ``self:N``, N or None); a usage error for ``self:`` without a count."""
+    m = _SELF.match(source.strip())
+    if m is None:
+        return False, None
+    if m.group("n") is None:
+        return True, None
+    n = m.group("n").strip()
+    if not n.isdigit() or int(n) < 1:
+        raise UsageError(f"--data {source}: write self or self:N with N a number of blocks of at least 1")
+    return True, int(n)
+
+
+def parse_sources(source: str) -> list[SourcePart]:
+    """The parts of a ``--data`` string (one part unless it is a mixture; grammar above)."""
+    if not isinstance(source, str) or not source.strip():
+        return [SourcePart(source)]
+    if source == "-" or ("+" not in source and "*" not in source):
+        return [SourcePart(source)]
+    try:
+        if Path(source).expanduser().exists():
+            return [SourcePart(source)]
+    except OSError:  # a name too long for the file system is no file
+        pass
+    parts: list[SourcePart] = []
+    for raw in source.split("+"):
+        text = raw.strip()
+        weight = Fraction(1)
+        m = _WEIGHTED.match(text)
+        if m is not None:
+            text, weight = m.group("source").strip(), Fraction(m.group("weight"))
+            if weight <= 0:
+                raise UsageError(f"--data {source!r}: the weight of {text or 'a source'} must be above 0")
+        if not text:
+            raise UsageError(f"--data {source!r}: a source of the mixture is empty "
+                             "(write SOURCE[*WEIGHT]+SOURCE[*WEIGHT]...)")
+        if "*" in text:
+            raise UsageError(f"--data {source!r}: {text!r} is not SOURCE*WEIGHT with WEIGHT a positive number")
+        parts.append(SourcePart(text, weight))
+    seen: dict[str, str] = {}
+    for p in parts:
+        is_self, _ = self_source(p.source)
+        key = "self" if is_self else p.source
+        if key in seen:
+            raise UsageError(f"--data {source!r}: {seen[key]} and {p.source} are the same source; "
+                             "give it once, with a weight")
+        seen[key] = p.source
+    return parts
 
 
 # --------------------------------------------------------------------------- tables
@@ -423,6 +518,9 @@ def _open_table(spec: DataSpec) -> _Table:
         raise UsageError("no data given; pass --data (a file, a folder, '-', builtin:pydoc or a hub name)")
     if source == "-":
         return _texts_table([_read_stdin()])
+    if self_source(source)[0]:
+        raise UsageError("--data self needs the model being compressed (text is sampled from it); "
+                         "this step was not given the model")
     if source.startswith("builtin:"):
         if source == "builtin:pydoc":
             return _texts_table(_pydoc_texts())

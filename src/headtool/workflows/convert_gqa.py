@@ -135,13 +135,15 @@ class Converted:
     evaluation: Any
 
 
-def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None) -> Converted:
+def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
+                   text_model: LoadedModel | None = None) -> Converted:
     """Calibrate, merge with every method of req.merge and keep the best: the lowest loss on the
     held-out calibration blocks when there are any (the --eval-data loss is reported, never used to
     choose: a figure that chose the model would flatter it), else on --eval-data. `headtool
     convert-gqa` and recipe steps."""
     methods = _methods(req.merge)
     check_target(lm.adapter, lm.geometry, req.kv_heads)
+    tm = text_model or lm  # the model `--data self` samples from
     needs_data = req.grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(req.refit)
     spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
     objective = resolve_objective("auto", lm.task)
@@ -149,19 +151,20 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None) -
     cal = held = grams = None
     used = 0
     if needs_data:
-        cal = make_batches(spec, lm.tokenizer, data_task)
+        cal = make_batches(spec, lm.tokenizer, data_task, model=tm)
         n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
         used = spec.skip_samples + cal.info["samples"]
         if n_held > 0:
             held = make_batches(dataclasses.replace(spec, max_samples=n_held, num_tokens=None,
-                                                    skip_samples=used), lm.tokenizer, data_task)
+                                                    skip_samples=used), lm.tokenizer, data_task, model=tm)
             used += held.info["samples"]
         info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
              + (f" ({held.info['samples']} more held out)" if held else ""))
         grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
     ev = None
     if req.eval_data:
-        ev = make_batches(eval_spec(spec, req.eval_data, req.eval_samples, used)[0], lm.tokenizer, data_task)
+        ev = make_batches(eval_spec(spec, req.eval_data, req.eval_samples, used)[0], lm.tokenizer, data_task,
+                          model=tm)
     eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
 
     before = summary_figures(lm.model, lm.adapter)

@@ -63,7 +63,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
             if lm.tokenizer is None:
                 raise UsageError(f"{ref}: no tokenizer files beside the model")
             first_tok = lm.tokenizer
-            batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved])
+            batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved], model=lm)  # self: the first model's
         elif not tokenizers_agree(first_tok, lm.tokenizer):
             raise UsageError(f"{ref} uses another tokenizer than {refs[0]}; eval compares models on the "
                              "same token batches, so they must share a tokenizer")
@@ -83,7 +83,8 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     return {"objective": resolved, "data": batches.info, "results": results}
 
 
-def eval_loaded(lm: LoadedModel, req: EvalRequest, original: torch.nn.Module | None = None) -> dict[str, Any]:
+def eval_loaded(lm: LoadedModel, req: EvalRequest, original: torch.nn.Module | None = None,
+                text_model: LoadedModel | None = None) -> dict[str, Any]:
     """Loss / perplexity of a model in memory (and of `original`, its state before the recipe's
     steps, on the same batches); the recipe's eval step."""
     objective = resolve_objective(req.objective, lm.task, req.data.label_column)
@@ -91,7 +92,7 @@ def eval_loaded(lm: LoadedModel, req: EvalRequest, original: torch.nn.Module | N
         raise UsageError("an eval step needs a model with an LM or classification head")
     if lm.tokenizer is None:
         raise UsageError(f"{req.models[0] if req.models else 'the model'}: no tokenizer files beside the model")
-    b = make_batches(req.data, lm.tokenizer, DATA_TASK[objective])
+    b = make_batches(req.data, lm.tokenizer, DATA_TASK[objective], model=text_model or lm)
     before = evaluate(original, b.batches, objective, label="eval original") if original is not None else None
     after = evaluate(lm.model, b.batches, objective, label="eval")
     return {"objective": objective, "data": b.info, "before": before, "after": after}

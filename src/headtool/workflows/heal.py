@@ -50,20 +50,22 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
     return train, held
 
 
-def heal_batches(req: HealRequest, tokenizer: Any, task: str, world: World = World()):
-    """(training, held-out) batches of a heal; `headtool heal` and recipe steps."""
-    train_spec, held_spec = _data_specs(req.data, req.eval_data, req.eval_samples, req.opts, world)
+def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, world: World | None = None):
+    """(training, held-out) batches of a heal; `headtool heal` and recipe steps. `--data self`
+    samples from the teacher (the original model)."""
+    train_spec, held_spec = _data_specs(req.data, req.eval_data, req.eval_samples, req.opts, world or World())
     data_task = DATA_TASK_OF_TASK.get(task, "plain")
-    return make_batches(train_spec, tokenizer, data_task), make_batches(held_spec, tokenizer, data_task)
+    return (make_batches(train_spec, tokenizer, data_task, model=teacher),
+            make_batches(held_spec, tokenizer, data_task, model=teacher))
 
 
-def heal_loaded(student: LoadedModel, teacher: torch.nn.Module, req: HealRequest):
+def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
     """Heal a model in memory towards `teacher` (a recipe step: no training state on disk)."""
     req.validate()
     if student.tokenizer is None:
         raise UsageError("heal needs the model's tokenizer to read --data")
-    train, held = heal_batches(req, student.tokenizer, student.task)
-    return heal_model(student.model, teacher, student.adapter, train.batches, held.batches, req.opts,
+    train, held = heal_batches(req, student.tokenizer, student.task, teacher)
+    return heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
                       objective=OBJECTIVE_OF_TASK.get(student.task))
 
 
@@ -106,7 +108,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
                          "the same head (or both headless)")
     objective = OBJECTIVE_OF_TASK.get(student.task)
-    train, held = heal_batches(req, tok, student.task, world)
+    train, held = heal_batches(req, tok, student.task, teacher, world)
     out_dtype = next(student.model.parameters()).dtype
     student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
     identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,

@@ -64,7 +64,7 @@ def run_inspect(req: InspectRequest) -> InspectRun:
     if lm.tokenizer is None:
         raise UsageError(f"{req.model}: no tokenizer files beside the model")
     task = "classification" if spec.label_column else "plain"
-    batches = make_batches(spec, lm.tokenizer, task)
+    batches = make_batches(spec, lm.tokenizer, task, model=lm)
     info(f"inspect: {batches.info.get('samples')} samples, {batches.info.get('tokens')} tokens, eager attention")
     stats = inspect_heads(lm.model, lm.adapter, batches.batches, top=req.top, label=f"inspect {req.model}")
     doc: dict[str, Any] = {

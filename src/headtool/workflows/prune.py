@@ -114,9 +114,11 @@ class Pruned:
 
 
 def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
-                 scores: list[list[float]] | None = None) -> Pruned:
+                 scores: list[list[float]] | None = None, text_model: LoadedModel | None = None) -> Pruned:
     """Choose the heads (listed, from `scores`, from req.scores or by scoring now on req.data),
-    prune them in place (refitting with req.compensate); `headtool prune` and recipe steps."""
+    prune them in place (refitting with req.compensate); `headtool prune` and recipe steps.
+    text_model: the model `--data self` samples from (default lm; a recipe passes the original)."""
+    tm = text_model or lm
     geometry = lm.geometry
     spec = with_default_blocks(req.data, req.default_blocks)
     target = None
@@ -133,10 +135,10 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         if scores is not None:
             matrix, score_info = scores, {"from": "an earlier score step"}
         else:
-            matrix, score_info = _scores(lm, req.scores, spec, req.method, req.objective)
+            matrix, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm)
         selection = select_heads(matrix, geometry, target)
     calib, heldout, eval_batches, eval_objective, eval_info = _data(
-        lm, spec, req.compensate, req.heldout_samples, req.eval_data, req.eval_samples, req.objective)
+        lm, spec, req.compensate, req.heldout_samples, req.eval_data, req.eval_samples, req.objective, tm)
     result = prune(lm, selection, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
                    compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
                    damping=req.damping, eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
@@ -153,7 +155,7 @@ def calib_info(lm, spec) -> dict | None:
         if spec else None
 
 
-def _scores(lm, scores: str | None, spec, method: str, objective: str) -> tuple[list[list[float]], dict]:
+def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tuple[list[list[float]], dict]:
     """The score matrix (from a document, or by scoring now on --data) and where it came from."""
     if scores is not None:
         doc = read_scores(scores, lm)
@@ -163,7 +165,7 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str) -> tuple[
     batches = None
     if method in DATA_METHODS:
         resolved = resolve_objective(objective, lm.task, spec.label_column)
-        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved]).batches
+        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved], model=tm).batches
     result = score_heads(lm.model, lm.adapter, batches, method=method, objective=resolved, seed=spec.seed,
                          label="score")
     info(f"scored with {result.estimator}" + (f" ({resolved})" if resolved else ""))
@@ -172,7 +174,7 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str) -> tuple[
 
 
 def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | None, eval_samples: int,
-          objective: str):
+          objective: str, tm):
     """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others)."""
     calib = heldout = eval_batches = None
     eval_objective = eval_info = None
@@ -180,11 +182,11 @@ def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | Non
     if compensate:
         if spec.max_samples is None and (heldout_samples or eval_data == spec.source):
             raise UsageError("give --max-samples for the calibration data so that held-out blocks can follow it")
-        calib = make_batches(spec, lm.tokenizer, "plain").batches
+        calib = make_batches(spec, lm.tokenizer, "plain", model=tm).batches
         used = spec.skip_samples + (spec.max_samples or 0)
         if heldout_samples:
             heldout = make_batches(replace(spec, skip_samples=used, max_samples=heldout_samples),
-                                   lm.tokenizer, "plain").batches
+                                   lm.tokenizer, "plain", model=tm).batches
             used += heldout_samples
     elif spec is not None and spec.max_samples is not None:
         used = spec.skip_samples + spec.max_samples
@@ -193,7 +195,7 @@ def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | Non
         if eval_objective == "kl":
             raise UsageError("--eval-data needs a model with an LM head (there is no loss to report otherwise)")
         espec, skip = eval_spec(spec, eval_data, eval_samples, used)
-        eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective])
+        eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
     return calib, heldout, eval_batches, eval_objective, eval_info

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ..data.sources import DataSpec
+from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..measure.scores_doc import build_document, write_document
@@ -40,11 +40,16 @@ from .score import score_loaded
 class Context:
     recipe: Recipe
     lm: LoadedModel
-    original: Any = None  # the unmodified model, kept when an eval or heal step needs it
+    original: Any = None  # the unmodified model, kept when an eval or heal step or `self` data needs it
     calib_device: Any = None  # with `sequential: true`: the device each layer visits during calibration
     scores: list[list[float]] | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def text_model(self) -> LoadedModel:
+        """The model `self` data is sampled from: the original, however many steps changed lm."""
+        return dataclasses.replace(self.lm, model=self.original) if self.original is not None else self.lm
 
 
 def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
@@ -92,7 +97,7 @@ def check_geometry(ctx: Context) -> None:
 # --------------------------------------------------------------------------- steps
 def step_score(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
-    run = score_loaded(ctx.lm, req)
+    run = score_loaded(ctx.lm, req, ctx.text_model)
     ctx.scores = run.result.scores
     if req.output:
         write_document(build_document(ctx.lm, run.result, run.batches_info), req.output)
@@ -103,7 +108,7 @@ def step_score(ctx: Context, step: dict) -> dict[str, Any]:
 def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     earlier = ctx.scores if "method" not in step and "scores" not in step else None
-    done = prune_loaded(ctx.lm, req, calib_device=ctx.calib_device, scores=earlier)
+    done = prune_loaded(ctx.lm, req, calib_device=ctx.calib_device, scores=earlier, text_model=ctx.text_model)
     result = done.result
     ctx.scores = None  # scores refer to the heads before pruning
     ctx.meta.setdefault("kept_heads", [list(k) for k in result.selection.kept])
@@ -117,7 +122,7 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
 
 def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
-    done = convert_loaded(ctx.lm, req, calib_device=ctx.calib_device)
+    done = convert_loaded(ctx.lm, req, calib_device=ctx.calib_device, text_model=ctx.text_model)
     ctx.lm.model = done.best.model
     ctx.meta.setdefault("kv_groups", [[list(g) for g in p.groups] for p in done.best.plans])
     out: dict[str, Any] = {"merge": done.best.method,
@@ -129,7 +134,7 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
 
 
 def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
-    res = eval_loaded(ctx.lm, build_request(ctx.recipe, step), ctx.original)
+    res = eval_loaded(ctx.lm, build_request(ctx.recipe, step), ctx.original, ctx.text_model)
     before, after = res["before"], res["after"]
     out = {"loss": after["loss"], "tokens": after["tokens"]}
     if "perplexity" in after:
@@ -142,13 +147,20 @@ def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
 
 
 def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
-    res = heal_loaded(ctx.lm, ctx.original, build_request(ctx.recipe, step))
+    res = heal_loaded(ctx.lm, ctx.text_model, build_request(ctx.recipe, step))
     doc = res.to_json()
     return {k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc}
 
 
 STEPS = {"score": step_score, "prune": step_prune, "convert_gqa": step_convert, "eval": step_eval,
          "heal": step_heal}
+
+
+def _samples_itself(recipe: Recipe) -> bool:
+    """Does any data block of the recipe read `self` (text sampled from the original model)?"""
+    blocks = [recipe.values.get("data")] + [s.get(k) for s in recipe.steps for k in ("data", "eval_data")]
+    sources = [b.get("source") if isinstance(b, dict) else b for b in blocks]
+    return any(isinstance(src, str) and any(self_source(p.source)[0] for p in parse_sources(src)) for src in sources)
 
 
 def summary_row(step: str, figures: dict, info: dict, seconds: float) -> dict[str, Any]:
@@ -182,7 +194,7 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
                                     for s in recipe.steps):
         raise UsageError(f"{v['model']}: no tokenizer files beside the model; recipe steps need data")
     source_fingerprint = lm.fingerprint
-    if any(s["step"] in ("eval", "heal") for s in recipe.steps) and not offloaded:
+    if (any(s["step"] in ("eval", "heal") for s in recipe.steps) or _samples_itself(recipe)) and not offloaded:
         ctx.original = copy.deepcopy(lm.model)  # (offloaded: only score/eval steps, the model stays unchanged)
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
     for i, step in enumerate(recipe.steps):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import yaml
 
-from ..data.sources import DataSpec
+from ..data.sources import DataSpec, parse_sources
 from ..errors import UsageError
 from ..optionspec import STEP, Opt, options_of, problem
 from ..train.options import HealOptions
@@ -227,9 +227,16 @@ def _check_block(block: Any, schema: dict[str, Check | str], where: str, recipe:
 
 
 def _check_source(src: str, dotted: str, recipe: Recipe, problems: list[str]) -> None:
-    if src not in ("-",) and not src.startswith("builtin:") and _looks_local(src) \
-            and not Path(os.path.expanduser(src)).exists():
-        problems.append(f"{recipe.where(dotted)}: {dotted}: file not found: {src}")
+    """Every part of a (possibly mixed) source that names a local file must exist."""
+    try:
+        parts = [p.source for p in parse_sources(src)]
+    except UsageError as e:
+        problems.append(f"{recipe.where(dotted)}: {dotted}: {str(e).split(': ', 1)[-1]}")
+        return
+    for part in parts:
+        if part not in ("-",) and not part.startswith("builtin:") and _looks_local(part) \
+                and not Path(os.path.expanduser(part)).exists():
+            problems.append(f"{recipe.where(dotted)}: {dotted}: file not found: {part}")
 
 
 def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], None] | None = None) -> None:

@@ -49,9 +49,9 @@ def run_score(req: ScoreRequest) -> ScoreRun:
     return run
 
 
-def score_loaded(lm: LoadedModel, req: ScoreRequest) -> ScoreRun:
+def score_loaded(lm: LoadedModel, req: ScoreRequest, text_model: LoadedModel | None = None) -> ScoreRun:
     """Score the heads of a loaded model (the document is built by the caller); `headtool score`
-    and recipe steps."""
+    and recipe steps. text_model: the model `--data self` samples from (default lm)."""
     spec = with_default_blocks(req.data, req.default_blocks)
     batches = None
     resolved = None
@@ -64,7 +64,7 @@ def score_loaded(lm: LoadedModel, req: ScoreRequest) -> ScoreRun:
                  "outputs is exactly zero at the model)")
         if lm.tokenizer is None:
             raise UsageError(f"{req.model}: no tokenizer files beside the model; scoring needs them to read --data")
-        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved])
+        batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved], model=text_model or lm)
     elif req.objective != "auto":
         info(f"--objective is not used by --method {req.method} (it needs no data)")
     norm = resolve_normalize(req.normalize, req.method)
