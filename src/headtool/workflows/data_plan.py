@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..data.sources import DataSpec
+from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
 
 
 def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec | None:
-    """`spec`, capped at `blocks` blocks when it says neither max_samples nor num_tokens."""
+    """`spec`, capped at `blocks` blocks when it says neither max_samples nor num_tokens
+    (`self:N` alone says N)."""
     if spec is None or blocks is None or spec.max_samples is not None or spec.num_tokens is not None:
         return spec
+    parts = parse_sources(spec.source)
+    if len(parts) == 1:
+        is_self, n = self_source(parts[0].source)
+        if is_self and n is not None:
+            blocks = n
     return replace(spec, max_samples=blocks)
 
 
