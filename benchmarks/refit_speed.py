@@ -31,16 +31,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HEADTOOL_NO_PROGRESS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from headtool.data.batches import make_batches  # noqa: E402
-from headtool.data.sources import DataSpec  # noqa: E402
-from headtool.measure.calibration import attention_input_grams  # noqa: E402
-from headtool.measure.scoring import score_heads  # noqa: E402
-from headtool.model.loading import load_model, model_from_object  # noqa: E402
-from headtool.surgery import merging  # noqa: E402
-from headtool.surgery.pruning import prune  # noqa: E402
-from headtool.surgery.selection import Target, select_heads  # noqa: E402
+from headtool.data.batches import make_batches
+from headtool.data.sources import DataSpec
+from headtool.measure.calibration import attention_input_grams
+from headtool.measure.scoring import score_heads
+from headtool.model.loading import load_model, model_from_object
+from headtool.surgery import merging
+from headtool.surgery.pruning import prune
+from headtool.surgery.selection import Target, select_heads
 
 RESULTS = Path(__file__).parent / "results" / "refit_speed.json"
 STEPS = ("fit", "aligned", "compensate")
@@ -109,9 +109,9 @@ def main() -> None:
             if method not in steps:
                 continue
             refit = method == "fit"
-            conv, s = _timed(lambda: merging.convert_model(
-                lm.model, lm.adapter, a.kv_heads, method=method, grams=grams, refit=refit, batches=cal.batches,
-                heldout_batches=held_batches if refit else None, **(kw if refit else {})))
+            conv, s = _timed(lambda m=method, r=refit: merging.convert_model(
+                lm.model, lm.adapter, a.kv_heads, method=m, grams=grams, refit=r, batches=cal.batches,
+                heldout_batches=held_batches if r else None, **(kw if r else {})))
             rows.append({"step": f"merge {method}" + (" + refit" if refit else ""), "seconds": s,
                          "with_grams_s": s + grams_s,
                          "refit_layers_kept": None if conv.refit is None else sum(r["kept"] for r in conv.refit)})
