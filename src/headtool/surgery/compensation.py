@@ -205,6 +205,15 @@ def removal_cost(stats: LayerStats, damping: float, adapter: Adapter, geo: Layer
 ANCHOR_GRID = (0.0, 0.01, 0.1, 1.0, 10.0, math.inf)
 
 
+def resolve_anchor(anchor: float | Sequence[float] | None, heldout: bool) -> float | Sequence[float]:
+    """The default (None): choose from ANCHOR_GRID when there are held-out batches to choose on,
+    else the plain refit (anchor 0: a grid judged on the calibration data would only ever favour
+    fitting it). Anything else is returned as it is."""
+    if anchor is None:
+        return ANCHOR_GRID if heldout else 0.0
+    return anchor
+
+
 def anchor_candidates(anchor: float | Sequence[float]) -> list[float]:
     """The anchor strengths to choose from, strongest first; inf (no refit) is always one."""
     values = [anchor] if isinstance(anchor, (int, float)) else list(anchor)
@@ -397,7 +406,7 @@ def sequential_refit(
     *,
     layers: Sequence[int] | None = None,
     damping: float = 1e-2,
-    anchor: float | Sequence[float] = 0.0,
+    anchor: float | Sequence[float] | None = None,
     heldout_batches: Sequence[dict] | None = None,
     on_layer: OnLayer | None = None,
     device: torch.device | str | None = None,
@@ -406,10 +415,11 @@ def sequential_refit(
 
     Each layer's refit is the ridge toward W0, the weights the layer has without a refit
     (`ridge_solution`): `anchor` is its strength relative to the mean diagonal of the Gram
-    matrix (0: today's plain damped refit, inf: no refit), one value or several to choose
-    from per layer. The candidates, and W0 itself, are judged on `heldout_batches` when given
-    (else on the calibration batches) and the best is applied (`choose_anchor`): with one
-    value, the refit is kept only where it lowers that error.
+    matrix (0: the plain damped refit as before anchors existed, inf: no refit), one value or
+    several to choose from per layer. The candidates, and W0 itself, are judged on
+    `heldout_batches` when given (else on the calibration batches) and the best is applied
+    (`choose_anchor`): with one value, the refit is kept only where it lowers that error.
+    The default (None) is ANCHOR_GRID with held-out batches, else 0 (`resolve_anchor`).
 
     Returns per layer {layer, rel_error_before, rel_error_after, tokens, kept, anchor} (and
     the held-out errors when `heldout_batches` are given; every candidate's judged error when
@@ -420,6 +430,7 @@ def sequential_refit(
     per layer and model. With `device`, the models stay where they are (e.g. on CPU, hidden
     states too) and each layer moves to `device` only while it runs.
     """
+    anchor = resolve_anchor(anchor, bool(heldout_batches))
     anchor_candidates(anchor)  # a usage error before any work
     n_layers = adapter.num_layers(modified.config)
     layers = sorted(range(n_layers) if layers is None else set(layers))

@@ -585,16 +585,18 @@ CONVERT_INSTEAD = ("use --sequential (one layer at a time on --device) for the d
 def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: str = "contiguous",
                   grams: Mapping[int, torch.Tensor] | None = None, refit: bool = False,
                   batches: Sequence[dict] | None = None, heldout_batches: Sequence[dict] | None = None,
-                  damping: float = 1e-2, anchor: float | Sequence[float] = 0.0, calib_device=None) -> Converted:
+                  damping: float = 1e-2, anchor: float | Sequence[float] | None = None,
+                  calib_device=None) -> Converted:
     """A converted copy of `original` (left untouched) with `n` KV heads per layer.
 
     With `refit`, the output projections are refit sequentially through the layers on
     `batches` (each layer fed by the already converted and refit earlier ones), damped, and a
     layer's refit is kept only when it lowers the error on `heldout_batches`. `anchor` pulls
     the refit toward the merged output projection (the weights without a refit), relative to
-    the mean diagonal of the Gram matrix: 0 (default) is the plain damped refit, inf none;
-    several values are candidates chosen per layer on `heldout_batches` (see
-    compensation.sequential_refit). With `calib_device`, the refit moves one layer at a time
+    the mean diagonal of the Gram matrix: 0 is the plain damped refit, inf none; several
+    values are candidates chosen per layer on `heldout_batches` (see
+    compensation.sequential_refit). The default (None) chooses from compensation.ANCHOR_GRID
+    when there are `heldout_batches`, else is 0. With `calib_device`, the refit moves one layer at a time
     to that device (the model stays put).
     """
     import copy

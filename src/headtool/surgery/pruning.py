@@ -26,6 +26,7 @@ from .compensation import (
     o_proj_matrix,
     refit_table,
     removal_cost,
+    resolve_anchor,
     sequential_refit,
 )
 from .selection import Selection, choose_removal
@@ -110,7 +111,7 @@ def prune(
     choose_in_layer: str = "auto",
     refit_layers: str = "pruned",
     damping: float = 1e-2,
-    anchor: float | Sequence[float] = 0.0,
+    anchor: float | Sequence[float] | None = None,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
     calib_device=None,
@@ -126,10 +127,11 @@ def prune(
 
     `anchor` pulls each refit toward the layer's weights without a refit (the original output
     projection less the removed heads' columns), relative to the mean diagonal of the Gram
-    matrix: 0 (default) is the plain damped refit, inf no refit; several values are candidates
-    chosen per layer on `heldout_batches` (which may come from another source than the
-    calibration; without them, on the calibration batches). A layer keeps its refit only
-    where it lowers that error. Heads are chosen ('refit') for the weakest finite candidate.
+    matrix: 0 is the plain damped refit, inf no refit; several values are candidates chosen
+    per layer on `heldout_batches` (which may come from another source than the calibration;
+    without them, on the calibration batches). A layer keeps its refit only where it lowers
+    that error. The default (None) chooses from compensation.ANCHOR_GRID when there are
+    `heldout_batches`, else is 0. Heads are chosen ('refit') for the weakest finite candidate.
     """
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
@@ -139,6 +141,7 @@ def prune(
         raise UsageError("--compensate needs calibration data (--data)")
     if damping <= 0:
         raise UsageError(f"--damping must be positive (got {damping})")
+    anchor = resolve_anchor(anchor, bool(heldout_batches))
     candidates = anchor_candidates(anchor)
     cost_anchor = min(candidates)  # inf only when no refit is a candidate
     t0 = time.perf_counter()
