@@ -2,17 +2,35 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import sample_ids, tiny_model
 
 from headtool.arch import adapter_for
 from headtool.errors import UsageError
-from headtool.surgery.compensation import (ANCHOR_GRID, LayerStats, _damped, choose_anchor, o_columns, o_proj_matrix,
-    obs_cost, relative_error, removal_cost, ridge_solution, sequential_refit, set_o_proj_matrix, squared_error)
-from headtool.surgery.pruning import prune_layer
-from tiny_models import sample_ids, tiny_model
+from headtool.measure.calibration import attention_input_grams
+from headtool.surgery.compensation import (
+    ANCHOR_GRID,
+    LayerStats,
+    _damped,
+    choose_anchor,
+    o_columns,
+    o_proj_matrix,
+    obs_cost,
+    relative_error,
+    removal_cost,
+    ridge_solution,
+    sequential_refit,
+    set_o_proj_matrix,
+    squared_error,
+)
+from headtool.surgery.merging import convert_model
+from headtool.surgery.pruning import markdown_table, prune, prune_layer
+from headtool.surgery.selection import Selection
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor) -> LayerStats:
@@ -150,7 +168,6 @@ def test_the_anchored_removal_cost_is_the_objective_of_the_anchored_refit_withou
     def on_layer(layer, stats, held):
         w0 = o_proj_matrix(adapter, adapter.o_proj_module(original, layer))
         got[layer] = (stats, w0)
-        return None
 
     sequential_refit(original, copy.deepcopy(original), adapter, batches, layers=[0], anchor=math.inf,
                      on_layer=on_layer)
@@ -309,3 +326,50 @@ def test_cross_domain_the_heldout_chosen_anchor_is_no_worse_than_the_plain_refit
         best = min(r["heldout_rel_errors"].values())
         key = "inf" if r["anchor"] is None else f"{r['anchor']:g}"
         assert r["heldout_rel_errors"][key] == best
+
+
+def test_the_default_anchor_is_chosen_on_heldout_batches_and_is_zero_without_them():
+    base = tiny_model("llama").eval()
+    adapter = adapter_for(base.config)
+    geo = adapter.geometry(base.config)
+    cal, held = _blocks(1, 200, 1), _blocks(1, 200, 2)
+    m = copy.deepcopy(base)
+    report = sequential_refit(m, m, adapter, cal, heldout_batches=held,
+                              on_layer=_prune_one_head_per_layer(m, adapter, geo))
+    assert all(set(r["heldout_rel_errors"]) == {"0", "0.01", "0.1", "1", "10", "inf"} for r in report)
+    m = copy.deepcopy(base)
+    report = sequential_refit(m, m, adapter, cal, on_layer=_prune_one_head_per_layer(m, adapter, geo))
+    assert all(r["anchor"] == 0.0 and "rel_errors" not in r for r in report)
+
+
+def test_prune_records_each_layers_anchor_in_the_summary_and_the_table():
+    model = tiny_model("llama").eval()
+    adapter = adapter_for(model.config)
+    geo = adapter.geometry(model.config)
+    loaded = SimpleNamespace(model=model, adapter=adapter)
+    selection = Selection.from_kept(geo, [(1, 3), (0, 1, 2, 3), (0, 2)])  # one head per KV group left
+    result = prune(loaded, selection, calib_batches=_blocks(1, 200, 1), heldout_batches=_blocks(200, 400, 2),
+                   compensate=True, anchor=[0.0, 1.0])
+    comp = result.summary()["compensation"]
+    assert [r["layer"] for r in comp] == [0, 2]
+    for r in comp:
+        assert r["anchor"] in (0.0, 1.0, None) and set(r["heldout_rel_errors"]) == {"0", "1", "inf"}
+    table = markdown_table(result, "standard")
+    assert "| layer | anchor | calibration error | held-out error | refit |" in table
+    json.dumps(result.summary(), allow_nan=False)  # headtool.json stays strict JSON (no inf anywhere)
+    with pytest.raises(UsageError):
+        prune(SimpleNamespace(model=tiny_model("llama"), adapter=adapter), selection,
+              calib_batches=_blocks(1, 200, 1), compensate=True, anchor=float("nan"))
+
+
+def test_convert_with_anchor_inf_is_the_merge_without_refit_bit_for_bit():
+    model = tiny_model("llama", num_key_value_heads=4).eval()
+    adapter = adapter_for(model.config)
+    cal, held = _blocks(1, 200, 1), _blocks(1, 200, 2)
+    grams = attention_input_grams(model, adapter, cal)
+    plain = convert_model(model, adapter, 2, method="fit", grams=grams)
+    inf = convert_model(model, adapter, 2, method="fit", grams=grams, refit=True, batches=cal,
+                        heldout_batches=held, anchor=math.inf)
+    assert not any(r["kept"] for r in inf.refit)
+    ref = plain.model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in inf.model.state_dict().items())
