@@ -15,7 +15,7 @@ The convert-gqa steps are reported with and without the shared `grams` pass; eac
 seconds / forward seconds. The load average is recorded: on a shared machine it explains a lot.
 
     python benchmarks/refit_speed.py --blocks 16 [--heldout 4 --seq-len 128 --batch-size 8]
-        [--anchor 0 | --anchor grid] [--steps fit,aligned,compensate]
+        [--anchor default|0|grid|0,1,inf] [--steps fit,aligned,compensate] [--threads 1]
 
 writes benchmarks/results/refit_speed.json and prints a table.
 """
@@ -54,8 +54,8 @@ def _timed(fn):
 
 
 def _anchor_kwargs(text: str) -> dict:
-    """{} for the default (anchor 0) so that the script also times code without the parameter."""
-    if text == "0":
+    """{} for the library's default, so that the script also times code from before the parameter."""
+    if text == "default":
         return {}
     if text == "grid":
         from headtool.surgery.compensation import ANCHOR_GRID
@@ -73,7 +73,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--fraction", type=float, default=0.25)
-    ap.add_argument("--anchor", default="0", help="0 (default), a strength, a comma list, or grid")
+    ap.add_argument("--anchor", default="default",
+                    help="default (the library's: chosen from the grid on the held-out blocks), a strength, "
+                         "a comma list, or grid")
     ap.add_argument("--steps", default=",".join(STEPS))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", type=Path, default=RESULTS)
