@@ -276,7 +276,7 @@ def choose_anchor(stats: LayerStats, w0: torch.Tensor, damping: float, anchor: f
     rec["anchor"] = best[0] if keep else None
     if len(judged) > 2:
         key = "heldout_rel_errors" if held is not None else "rel_errors"
-        rec[key] = {_label(a): judged[a] for a in sorted(judged)}
+        rec[key] = {_label(a): (e if math.isfinite(e) else None) for a, e in sorted(judged.items())}
     return (w_best if keep else None), rec
 
 
