@@ -596,8 +596,8 @@ def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: 
     the mean diagonal of the Gram matrix: 0 is the plain damped refit, inf none; several
     values are candidates chosen per layer on `heldout_batches` (see
     compensation.sequential_refit). The default (None) chooses from compensation.ANCHOR_GRID
-    when there are `heldout_batches`, else is 0. With `calib_device`, the refit moves one layer at a time
-    to that device (the model stays put).
+    when there are `heldout_batches`, else is 0. With `calib_device`, the refit moves one
+    layer at a time to that device (the model stays put).
     """
     import copy
     import time
