@@ -2,15 +2,35 @@
 from __future__ import annotations
 
 import copy
+import json
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import sample_ids, tiny_model
 
 from headtool.arch import adapter_for
-from headtool.surgery.compensation import (LayerStats, o_proj_matrix, obs_cost, relative_error, removal_cost,
-    ridge_solution, sequential_refit, squared_error)
-from headtool.surgery.pruning import prune_layer
-from tiny_models import sample_ids, tiny_model
+from headtool.errors import UsageError
+from headtool.measure.calibration import attention_input_grams
+from headtool.surgery.compensation import (
+    ANCHOR_GRID,
+    LayerStats,
+    _damped,
+    choose_anchor,
+    o_columns,
+    o_proj_matrix,
+    obs_cost,
+    relative_error,
+    removal_cost,
+    ridge_solution,
+    sequential_refit,
+    set_o_proj_matrix,
+    squared_error,
+)
+from headtool.surgery.merging import convert_model
+from headtool.surgery.pruning import markdown_table, prune, prune_layer
+from headtool.surgery.selection import Selection
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor) -> LayerStats:
@@ -93,3 +113,263 @@ def test_heldout_batches_veto_a_refit_that_does_not_generalize():
     r = report[0]
     assert "heldout_rel_error_after" in r
     assert r["kept"] == (r["heldout_rel_error_after"] < r["heldout_rel_error_before"])
+
+
+# ----------------------------------------------------------------------------- anchored refits
+def _bias_stats(x: torch.Tensor, y: torch.Tensor) -> LayerStats:
+    xa = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
+    return LayerStats(xa.T @ xa, xa.T @ y, float((y * y).sum()), x.shape[0], True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_anchor_zero_is_the_plain_damped_refit_and_inf_is_no_refit_bit_for_bit(bias):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 12, generator=g, dtype=torch.float64)
+    y = torch.randn(50, 5, generator=g, dtype=torch.float64)
+    st = _bias_stats(x, y) if bias else _stats(x, y)
+    w0 = torch.randn(5, st.G.shape[0], generator=g, dtype=torch.float64)
+    plain = torch.linalg.solve(_damped(st.G, 1e-2, bias), st.C).T  # the refit as it always was
+    assert torch.equal(ridge_solution(st, 1e-2), plain)
+    assert torch.equal(ridge_solution(st, 1e-2, anchor=0.0, w0=w0), plain)
+    assert torch.equal(ridge_solution(st, 1e-2, anchor=math.inf, w0=w0), w0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_anchored_refit_minimizes_the_error_plus_the_pull_toward_w0(bias):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 10, generator=g, dtype=torch.float64)
+    y = torch.randn(40, 4, generator=g, dtype=torch.float64)
+    st = _bias_stats(x, y) if bias else _stats(x, y)
+    n_in = st.G.shape[0]
+    w0 = torch.randn(4, n_in, generator=g, dtype=torch.float64)
+    damping, anchor = 1e-2, 0.3
+    mean_diag = float(st.G.diagonal()[:10].mean())
+    lam, mu = damping * mean_diag, anchor * mean_diag
+    # the same problem as one stacked least squares: [X; √λ I (not the bias); √μ I] W = [Y; 0; √μ W0ᵀ]
+    xa = torch.cat([x, torch.ones_like(x[:, :1])], dim=1) if bias else x
+    damp = torch.eye(n_in, dtype=torch.float64)[:10] * lam ** 0.5
+    a = torch.cat([xa, damp, torch.eye(n_in, dtype=torch.float64) * mu ** 0.5])
+    b = torch.cat([y, torch.zeros(10, 4, dtype=torch.float64), mu ** 0.5 * w0.T])
+    want = torch.linalg.lstsq(a, b).solution.T
+    assert torch.allclose(ridge_solution(st, damping, anchor, w0), want, atol=1e-10)
+    # a stronger anchor lands closer to W0
+    dist = [float((ridge_solution(st, damping, a_, w0) - w0).norm()) for a_ in (0.0, 0.1, 1.0, 10.0, 1e6)]
+    assert dist == sorted(dist, reverse=True) and dist[-1] < 1e-4 * dist[0]
+
+
+def test_the_anchored_removal_cost_is_the_objective_of_the_anchored_refit_without_those_heads():
+    original = tiny_model("llama")
+    adapter = adapter_for(original.config)
+    batches = [{"input_ids": sample_ids("llama", batch=4, seq=24, seed=s),
+                "attention_mask": torch.ones(4, 24, dtype=torch.long)} for s in range(2)]
+    geo = adapter.geometry(original.config)
+    got = {}
+
+    def on_layer(layer, stats, held):
+        w0 = o_proj_matrix(adapter, adapter.o_proj_module(original, layer))
+        got[layer] = (stats, w0)
+
+    sequential_refit(original, copy.deepcopy(original), adapter, batches, layers=[0], anchor=math.inf,
+                     on_layer=on_layer)
+    stats, w0 = got[0]
+    gone = [1, 3]
+    kept_cols = o_columns(adapter, geo[0], [0, 2])
+    sub, w0k = stats.restrict(kept_cols), w0[:, kept_cols]
+    lam = 1e-2 * float(stats.G.diagonal().mean())  # the damping of the full layer, as the cost uses
+    for anchor in (0.5, math.inf):
+        cost = removal_cost(stats, 1e-2, adapter, geo[0], anchor=anchor, w0=w0)(gone)
+        if math.isinf(anchor):
+            assert cost == pytest.approx(squared_error(sub, w0k), rel=1e-9)
+            continue
+        mu = anchor * float(stats.G.diagonal().mean())
+        h = sub.G + (lam + mu) * torch.eye(sub.G.shape[0], dtype=torch.float64)
+        w = torch.linalg.solve(h, sub.C + mu * w0k.T).T
+        objective = squared_error(sub, w) + lam * float((w ** 2).sum()) + mu * float(((w - w0k) ** 2).sum())
+        assert cost == pytest.approx(objective, rel=1e-8)
+
+
+def _noisy_problem(seed: int, n_cal: int, noise: float, shift: float):
+    """W0 [4, 12] and a true W close to it; calibration X ~ N(0, I), targets with noise."""
+    g = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    w_true = w0 + shift * torch.randn(4, 12, generator=g, dtype=torch.float64)
+    x = torch.randn(n_cal, 12, generator=g, dtype=torch.float64)
+    y = x @ w_true.T + noise * torch.randn(n_cal, 4, generator=g, dtype=torch.float64)
+    return g, w0, w_true, _stats(x, y)
+
+
+def test_heldout_statistics_reject_a_refit_that_only_fits_the_calibration_domain():
+    # calibration: few tokens of a domain whose targets differ from W0's; held-out domain: W0 is right there
+    g, w0, _, cal = _noisy_problem(4, n_cal=16, noise=1.0, shift=1.0)
+    xh = 3.0 * torch.randn(400, 12, generator=g, dtype=torch.float64)
+    held = _stats(xh, xh @ w0.T)
+    w, rec = choose_anchor(cal, w0, 1e-2, ANCHOR_GRID, held)
+    assert w is None and rec["kept"] is False and rec["anchor"] is None
+    assert rec["heldout_rel_error_before"] == pytest.approx(0.0, abs=1e-12)
+    assert set(rec["heldout_rel_errors"]) == {"0", "0.01", "0.1", "1", "10", "inf"}
+    assert rec["rel_error_after"] < rec["rel_error_before"]  # the refit did fit the calibration data
+
+
+def test_heldout_statistics_pick_a_finite_anchor_where_the_refit_helps():
+    # enough calibration data of the domain the held-out blocks come from: the refit generalizes
+    g, w0, w_true, cal = _noisy_problem(5, n_cal=2000, noise=0.1, shift=1.0)
+    xh = torch.randn(500, 12, generator=g, dtype=torch.float64)
+    held = _stats(xh, xh @ w_true.T + 0.1 * torch.randn(500, 4, generator=g, dtype=torch.float64))
+    w, rec = choose_anchor(cal, w0, 1e-4, ANCHOR_GRID, held)
+    assert rec["kept"] and rec["anchor"] is not None and rec["anchor"] <= 0.1
+    assert rec["heldout_rel_error_after"] < 0.1 * rec["heldout_rel_error_before"]
+    assert torch.equal(w, ridge_solution(cal, 1e-4, rec["anchor"], w0))
+    # noisy, scarce calibration data of a true W near W0: the pull toward W0 is what generalizes
+    g, w0, w_true, cal = _noisy_problem(6, n_cal=14, noise=2.0, shift=0.3)
+    xh = torch.randn(2000, 12, generator=g, dtype=torch.float64)
+    held = _stats(xh, xh @ w_true.T)
+    w, rec = choose_anchor(cal, w0, 1e-4, ANCHOR_GRID, held)
+    errs = rec["heldout_rel_errors"]
+    assert rec["kept"] and 0 < rec["anchor"] < math.inf
+    assert errs[f"{rec['anchor']:g}"] == min(errs.values()) < min(errs["0"], errs["inf"])
+
+
+def test_one_anchor_without_heldout_keeps_the_refit_where_it_lowers_the_calibration_error():
+    _, w0, _, cal = _noisy_problem(7, n_cal=200, noise=0.1, shift=1.0)
+    w, rec = choose_anchor(cal, w0, 1e-2, 0.0)
+    assert rec["kept"] and rec["anchor"] == 0.0 and "heldout_rel_error_before" not in rec
+    assert "rel_errors" not in rec  # one finite candidate: nothing to list
+    assert torch.equal(w, ridge_solution(cal, 1e-2))
+    with pytest.raises(UsageError):
+        choose_anchor(cal, w0, 1e-2, [-1.0])
+
+
+def _prune_one_head_per_layer(model, adapter, geo):
+    def on_layer(layer, stats=None, held=None):
+        kept = list(range(1, geo[layer].num_heads))
+        if geo[layer].num_kv_heads != geo[layer].num_heads:  # GQA: keep groups equal in size
+            kept = [h for h in range(geo[layer].num_heads) if h % geo[layer].group_size != 0]
+        prune_layer(model, adapter, layer, geo[layer], kept)
+        return o_columns(adapter, geo[layer], kept)
+    return on_layer
+
+
+def _blocks(lo: int, hi: int, seed: int, n: int = 4, seq: int = 32) -> list[dict]:
+    """Random token blocks from ids [lo, hi): disjoint ranges make unrelated 'domains'."""
+    ids = torch.randint(lo, hi, (n, seq), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_anchor_inf_is_no_refit_and_anchor_zero_todays_refit_on_a_model(family):
+    base = tiny_model(family).eval()
+    adapter = adapter_for(base.config)
+    geo = adapter.geometry(base.config)
+    cal, held = _blocks(1, 200, 1), _blocks(1, 200, 2)
+    unrefit = copy.deepcopy(base)
+    for layer in range(len(geo)):
+        _prune_one_head_per_layer(unrefit, adapter, geo)(layer)
+    inf = copy.deepcopy(base)
+    report = sequential_refit(inf, inf, adapter, cal, anchor=math.inf, heldout_batches=held,
+                              on_layer=_prune_one_head_per_layer(inf, adapter, geo))
+    assert not any(r["kept"] for r in report) and all(r["anchor"] is None for r in report)
+    ref_sd = unrefit.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in inf.state_dict().items())
+
+    # anchor 0: each layer gets exactly the plain damped solution of its statistics, as before anchors
+    zero = copy.deepcopy(base)
+    seen = {}
+    prune_zero = _prune_one_head_per_layer(zero, adapter, geo)
+
+    def on_layer(layer, stats, held_stats):
+        cols = prune_zero(layer)
+        seen[layer] = stats.restrict(cols)
+        return cols
+
+    report = sequential_refit(zero, zero, adapter, cal, anchor=0.0, on_layer=on_layer)
+    assert all(r["kept"] and r["anchor"] == 0.0 for r in report)
+    for layer, sub in seen.items():
+        module = copy.deepcopy(adapter.o_proj_module(zero, layer))
+        set_o_proj_matrix(adapter, module, torch.linalg.solve(_damped(sub.G, 1e-2, sub.bias), sub.C).T)
+        got = adapter.o_proj_module(zero, layer)
+        assert torch.equal(got.weight, module.weight)
+        assert all(torch.equal(a, b) for a, b in zip(got.parameters(), module.parameters()))
+    default = copy.deepcopy(base)  # the default is anchor 0
+    sequential_refit(default, default, adapter, cal, on_layer=_prune_one_head_per_layer(default, adapter, geo))
+    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), zero.state_dict().values()))
+
+
+def _kl(reference, model, batches) -> float:
+    with torch.no_grad():
+        total = 0.0
+        for b in batches:
+            p = reference(**b).logits.log_softmax(-1)
+            q = model(**b).logits.log_softmax(-1)
+            total += float((p.exp() * (p - q)).sum(-1).mean())
+    return total
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cross_domain_the_heldout_chosen_anchor_is_no_worse_than_the_plain_refit(family):
+    """Calibrated on domain A (a few blocks of low token ids), judged on domain B (high ids).
+
+    The plain refit fits A and hurts B; with anchors chosen per layer on held-out blocks of B,
+    B does no worse than without any refit's damage, and the chosen anchors are recorded."""
+    base = tiny_model(family, seed=0).eval()
+    adapter = adapter_for(base.config)
+    geo = adapter.geometry(base.config)
+    cal = _blocks(1, 40, 1, n=2, seq=24)
+    held_b, eval_b = _blocks(200, 400, 2), _blocks(200, 400, 3)
+    plain = copy.deepcopy(base)
+    sequential_refit(plain, plain, adapter, cal, on_layer=_prune_one_head_per_layer(plain, adapter, geo))
+    chosen = copy.deepcopy(base)
+    report = sequential_refit(chosen, chosen, adapter, cal, anchor=ANCHOR_GRID, heldout_batches=held_b,
+                              on_layer=_prune_one_head_per_layer(chosen, adapter, geo))
+    assert _kl(base, chosen, eval_b) < _kl(base, plain, eval_b)
+    for r in report:
+        assert set(r["heldout_rel_errors"]) == {"0", "0.01", "0.1", "1", "10", "inf"}
+        best = min(r["heldout_rel_errors"].values())
+        key = "inf" if r["anchor"] is None else f"{r['anchor']:g}"
+        assert r["heldout_rel_errors"][key] == best
+
+
+def test_the_default_anchor_is_chosen_on_heldout_batches_and_is_zero_without_them():
+    base = tiny_model("llama").eval()
+    adapter = adapter_for(base.config)
+    geo = adapter.geometry(base.config)
+    cal, held = _blocks(1, 200, 1), _blocks(1, 200, 2)
+    m = copy.deepcopy(base)
+    report = sequential_refit(m, m, adapter, cal, heldout_batches=held,
+                              on_layer=_prune_one_head_per_layer(m, adapter, geo))
+    assert all(set(r["heldout_rel_errors"]) == {"0", "0.01", "0.1", "1", "10", "inf"} for r in report)
+    m = copy.deepcopy(base)
+    report = sequential_refit(m, m, adapter, cal, on_layer=_prune_one_head_per_layer(m, adapter, geo))
+    assert all(r["anchor"] == 0.0 and "rel_errors" not in r for r in report)
+
+
+def test_prune_records_each_layers_anchor_in_the_summary_and_the_table():
+    model = tiny_model("llama").eval()
+    adapter = adapter_for(model.config)
+    geo = adapter.geometry(model.config)
+    loaded = SimpleNamespace(model=model, adapter=adapter)
+    selection = Selection.from_kept(geo, [(1, 3), (0, 1, 2, 3), (0, 2)])  # one head per KV group left
+    result = prune(loaded, selection, calib_batches=_blocks(1, 200, 1), heldout_batches=_blocks(200, 400, 2),
+                   compensate=True, anchor=[0.0, 1.0])
+    comp = result.summary()["compensation"]
+    assert [r["layer"] for r in comp] == [0, 2]
+    for r in comp:
+        assert r["anchor"] in (0.0, 1.0, None) and set(r["heldout_rel_errors"]) == {"0", "1", "inf"}
+    table = markdown_table(result, "standard")
+    assert "| layer | anchor | calibration error | held-out error | refit |" in table
+    json.dumps(result.summary(), allow_nan=False)  # headtool.json stays strict JSON (no inf anywhere)
+    with pytest.raises(UsageError):
+        prune(SimpleNamespace(model=tiny_model("llama"), adapter=adapter), selection,
+              calib_batches=_blocks(1, 200, 1), compensate=True, anchor=float("nan"))
+
+
+def test_convert_with_anchor_inf_is_the_merge_without_refit_bit_for_bit():
+    model = tiny_model("llama", num_key_value_heads=4).eval()
+    adapter = adapter_for(model.config)
+    cal, held = _blocks(1, 200, 1), _blocks(1, 200, 2)
+    grams = attention_input_grams(model, adapter, cal)
+    plain = convert_model(model, adapter, 2, method="fit", grams=grams)
+    inf = convert_model(model, adapter, 2, method="fit", grams=grams, refit=True, batches=cal,
+                        heldout_batches=held, anchor=math.inf)
+    assert not any(r["kept"] for r in inf.refit)
+    ref = plain.model.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in inf.model.state_dict().items())

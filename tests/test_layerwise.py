@@ -185,3 +185,31 @@ def test_layers_visit_the_execution_device_and_go_back():
     assert seen and all(d.type == "cpu" for d in seen)
     for i in ref:
         assert torch.equal(got[i], ref[i])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "phi3"])
+def test_inputs_of_stops_the_layer_at_the_module_and_sees_what_a_full_run_sees(family):
+    model = tiny_model(family).eval()
+    adapter = adapter_for(model.config)
+    inputs = record_inputs(model, adapter, _batches(family))
+    replay = Replayer(inputs)
+    layer, o_proj = adapter.layer_module(model, 0), adapter.o_proj_module(model, 0)
+    full: list[torch.Tensor] = []
+    handle = o_proj.register_forward_pre_hook(lambda m, a: full.append(a[0].clone()))
+    try:
+        replay.run(layer, 0, inputs.hidden)
+    finally:
+        handle.remove()
+    after: list[str] = []  # modules that run once o_proj is reached: none may
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: after.append(n))
+             for n, m in layer.named_modules() if n and "mlp" in n.lower()]
+    got: dict[int, torch.Tensor] = {}
+    try:
+        replay.inputs_of(layer, 0, inputs.hidden, o_proj, lambda b, x: got.__setitem__(b, x.clone()))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(got) == list(range(len(full)))
+    assert all(torch.equal(got[b], full[b]) for b in got)
+    if family != "gpt_neox":  # NeoX's parallel residual may run its MLP first; the others run it after
+        assert after == []

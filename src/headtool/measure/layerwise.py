@@ -224,6 +224,36 @@ class Replayer:
                 outs.append(out.to(h.device))
         return outs
 
+    @torch.no_grad()
+    def inputs_of(self, layer: nn.Module, index: int, hidden: Sequence[torch.Tensor], module: nn.Module,
+                  take: Callable[[int, torch.Tensor], None]) -> None:
+        """`take(b, x)` with the input x of `module` (a submodule of `layer`) on every batch.
+
+        The layer runs only until it calls `module`: the rest of it (the module itself, the MLP
+        after an attention block's output projection) is skipped, so capturing an output
+        projection's input costs the attention block alone, not a whole layer.
+        """
+        state: dict = {}
+
+        def stop(mod: nn.Module, args: tuple) -> None:
+            take(state["b"], args[0])
+            raise _Stop
+
+        handle = module.register_forward_pre_hook(stop)
+        try:
+            with on_device(layer, self.device) as dev:
+                for b, h in enumerate(hidden):
+                    call = self.inputs.calls[b][index]
+                    move = self._mover(dev, b)
+                    state["b"] = b
+                    try:
+                        layer(h.to(dev), *move(call.args), **move(call.kwargs))
+                    except _Stop:
+                        continue
+                    raise RuntimeError(f"layer {index} never called the module whose input was wanted")
+        finally:
+            handle.remove()
+
 
 def real_tokens(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """[N_real, features] from [batch, seq, features]: the tokens the attention mask keeps."""

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..arch import Adapter, LayerHeads
 from ..console import progress
+from ..errors import UsageError
 from ..measure.layerwise import Replayer, real_tokens, record_inputs
 
 
@@ -38,7 +39,7 @@ class LayerStats:
     tokens: int
     bias: bool
 
-    def restrict(self, columns: Sequence[int]) -> "LayerStats":
+    def restrict(self, columns: Sequence[int]) -> LayerStats:
         """Statistics of the kept input columns only (the bias column, if any, stays)."""
         idx = list(columns) + ([self.G.shape[0] - 1] if self.bias else [])
         ix = torch.tensor(idx, dtype=torch.long)
@@ -74,6 +75,11 @@ def o_columns(adapter: Adapter, geo: LayerHeads, heads: Sequence[int]) -> list[i
 
 
 # ----------------------------------------------------------------------------- math on statistics
+def _mean_diag(G: torch.Tensor, bias: bool) -> float:
+    n = G.shape[0] - (1 if bias else 0)
+    return float(G.diagonal()[:n].mean()) if n else 0.0
+
+
 def _damped(G: torch.Tensor, damping: float, bias: bool) -> torch.Tensor:
     n = G.shape[0] - (1 if bias else 0)
     lam = damping * float(G.diagonal()[:n].mean()) if n else 0.0
@@ -82,9 +88,33 @@ def _damped(G: torch.Tensor, damping: float, bias: bool) -> torch.Tensor:
     return Gd
 
 
-def ridge_solution(stats: LayerStats, damping: float) -> torch.Tensor:
-    """W [out, in(+1)] minimizing ||X'Wᵀ - Y||² + λ||W||² (float64)."""
-    return torch.linalg.solve(_damped(stats.G, damping, stats.bias), stats.C).T
+def _anchored(stats: LayerStats, damping: float, anchor: float, w0: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The normal equations H Wᵀ = B of the anchored ridge, and μ (the anchor's absolute strength)."""
+    mu = anchor * _mean_diag(stats.G, stats.bias)
+    H = _damped(stats.G, damping, stats.bias)
+    H.diagonal().add_(mu)
+    return H, stats.C + mu * w0.to(torch.float64).T, mu
+
+
+def ridge_solution(stats: LayerStats, damping: float, anchor: float = 0.0,
+                   w0: torch.Tensor | None = None) -> torch.Tensor:
+    """W [out, in(+1)] minimizing ||X'Wᵀ - Y||² + λ||W||² + μ||W - W0||² (float64).
+
+    λ = damping and μ = anchor, each times the mean diagonal of G (the bias column left out of
+    the mean). The damping is numerical and leaves the bias alone; the anchor pulls every
+    column, bias included, toward W0, the weights the layer has without a refit. Closed form:
+    Wᵀ = (G + λI + μI)⁻¹ (C + μW0ᵀ). `anchor` 0 is the plain damped refit (W0 not needed),
+    `anchor` inf is W0 itself (no refit).
+    """
+    if anchor == 0:
+        return torch.linalg.solve(_damped(stats.G, damping, stats.bias), stats.C).T
+    if w0 is None:
+        raise ValueError("an anchored refit needs the weights it is anchored to (w0)")
+    if math.isinf(anchor):
+        return w0.to(torch.float64).clone()
+    H, B, _ = _anchored(stats, damping, anchor, w0)
+    return torch.linalg.solve(H, B).T
 
 
 def squared_error(stats: LayerStats, w: torch.Tensor) -> float:
@@ -110,35 +140,177 @@ def obs_cost(w: torch.Tensor, g_inv: torch.Tensor, columns: Sequence[int]) -> fl
     return float((ws * torch.linalg.solve(g_inv[s][:, s], ws.T).T).sum())
 
 
-def removal_cost(stats: LayerStats, damping: float, adapter: Adapter, geo: LayerHeads
-                 ) -> Callable[[list[int]], float]:
+class _ObsCost:
+    """obs_cost for many column sets of one layer: tr(((G⁻¹)_SS)⁻¹ (WᵀW)_SS), one Cholesky a set.
+
+    The same number as obs_cost up to rounding, at a fraction of the work: the set's block of
+    WᵀW is precomputed for the whole layer once instead of solving for every output row.
+    """
+
+    def __init__(self, w: torch.Tensor, g_inv: torch.Tensor):
+        self.w, self.g_inv = w, g_inv
+        self.p = w.T @ w
+
+    def __call__(self, columns: Sequence[int]) -> float:
+        if not columns:
+            return 0.0
+        s = torch.tensor(list(columns), dtype=torch.long)
+        chol, info = torch.linalg.cholesky_ex(self.g_inv[s][:, s])
+        if int(info):  # not numerically positive definite: the general solve
+            return obs_cost(self.w, self.g_inv, columns)
+        return float((torch.cholesky_inverse(chol) * self.p[s][:, s]).sum())
+
+
+def removal_cost(stats: LayerStats, damping: float, adapter: Adapter, geo: LayerHeads,
+                 anchor: float = 0.0, w0: torch.Tensor | None = None) -> Callable[[list[int]], float]:
     """cost(query heads) = objective left after removing them and refitting the rest.
 
     Uses the layer's own best refit W* (not its current weights), so the cost also counts
     what earlier layers' changes did to this layer's input: exact, not an approximation.
+    With `anchor` (and `w0`, the layer's weights before removal) the refit is the anchored
+    one, toward W0 with the removed columns dropped; `anchor` inf: no refit, the cost is the
+    error of W0 with the columns dropped.
     """
-    gd = _damped(stats.G, damping, stats.bias)
-    w_star = torch.linalg.solve(gd, stats.C).T
-    g_inv = torch.linalg.inv(gd)
-    base = float(stats.yy - (w_star.T * stats.C).sum())  # objective of W* (ridge)
-    return lambda heads: base + obs_cost(w_star, g_inv, o_columns(adapter, geo, heads))
+    if anchor != 0 and w0 is None:
+        raise ValueError("an anchored removal cost needs the layer's weights (w0)")
+    if math.isinf(anchor):
+        def no_refit(heads: list[int]) -> float:
+            w = w0.to(torch.float64).clone()
+            w[:, o_columns(adapter, geo, heads)] = 0.0
+            return squared_error(stats, w)
+        return no_refit
+    if anchor == 0:
+        gd = _damped(stats.G, damping, stats.bias)
+        w_star = torch.linalg.solve(gd, stats.C).T
+        g_inv = torch.linalg.inv(gd)
+        base = float(stats.yy - (w_star.T * stats.C).sum())  # objective of W* (ridge)
+        cost = _ObsCost(w_star, g_inv)
+        return lambda heads: base + cost(o_columns(adapter, geo, heads))
+    H, B, mu = _anchored(stats, damping, anchor, w0)
+    w_star = torch.linalg.solve(H, B).T
+    w0 = w0.to(torch.float64)
+    # objective of W*: tr(YᵀY) + μ||W0||² - tr(W* B); the removed columns' μ||W0_S||² is no
+    # part of the pruned layer's objective (its anchor is W0 without those columns)
+    base = float(stats.yy + mu * (w0 * w0).sum() - (w_star.T * B).sum())
+    cost = _ObsCost(w_star, torch.linalg.inv(H))
+    col_norm = (w0 * w0).sum(0)
+
+    def anchored(heads: list[int]) -> float:
+        cols = o_columns(adapter, geo, heads)
+        return base + cost(cols) - mu * float(col_norm[cols].sum()) if cols else base
+    return anchored
+
+
+# ----------------------------------------------------------------------------- choosing the anchor
+ANCHOR_GRID = (0.0, 0.01, 0.1, 1.0, 10.0, math.inf)
+
+
+def resolve_anchor(anchor: float | Sequence[float] | None, heldout: bool) -> float | Sequence[float]:
+    """The default (None): choose from ANCHOR_GRID when there are held-out batches to choose on,
+    else the plain refit (anchor 0: a grid judged on the calibration data would only ever favour
+    fitting it). Anything else is returned as it is."""
+    if anchor is None:
+        return ANCHOR_GRID if heldout else 0.0
+    return anchor
+
+
+def anchor_candidates(anchor: float | Sequence[float]) -> list[float]:
+    """The anchor strengths to choose from, strongest first; inf (no refit) is always one."""
+    values = [anchor] if isinstance(anchor, (int, float)) else list(anchor)
+    out = set()
+    for a in values:
+        a = float(a)
+        if math.isnan(a) or a < 0:
+            raise UsageError(f"anchor strengths must be >= 0 or inf (got {a:g})")
+        out.add(a)
+    return sorted(out | {math.inf}, reverse=True)
+
+
+def _label(a: float) -> str:
+    return f"{a:g}"
+
+
+def _rank(e: float) -> float:
+    return e if math.isfinite(e) else math.inf
+
+
+def choose_anchor(stats: LayerStats, w0: torch.Tensor, damping: float, anchor: float | Sequence[float],
+                  held: LayerStats | None = None) -> tuple[torch.Tensor | None, dict]:
+    """The refit of one layer with the anchor strength that does best, or None (keep W0).
+
+    Every candidate is solved on the calibration statistics `stats` and judged on `held` (the
+    held-out statistics) when given, else on `stats`; the error of any weights follows from
+    the statistics, so no candidate costs a forward. W0 (anchor inf) is always a candidate and
+    wins ties, as does a stronger anchor over a weaker one. The record: calibration errors of
+    W0 and of the best finite-anchor refit (`rel_error_before` / `rel_error_after`), the same
+    on held-out data when given, `kept` (the refit is applied), `anchor` (its strength, None
+    when W0 stays) and, with several finite candidates, every candidate's judged error.
+    """
+    judge = held if held is not None else stats
+    candidates = anchor_candidates(anchor)
+    before = relative_error(judge, w0)
+    judged: dict[float, float] = {math.inf: before}
+    best: tuple[float, torch.Tensor, float] | None = None  # (anchor, W, judged error)
+    for a in candidates:
+        if math.isinf(a):
+            continue
+        w = ridge_solution(stats, damping, a, w0)
+        e = relative_error(judge, w)
+        judged[a] = e
+        if best is None or _rank(e) < _rank(best[2]):  # strictly: ties stay with the stronger anchor
+            best = (a, w, e)
+    rec: dict = {"rel_error_before": relative_error(stats, w0) if held is not None else before}
+    if best is None:
+        rec["rel_error_after"] = rec["rel_error_before"]
+        w_best = None
+    else:
+        w_best = best[1]
+        rec["rel_error_after"] = relative_error(stats, w_best) if held is not None else best[2]
+    if held is not None:
+        rec["heldout_rel_error_before"] = before
+        rec["heldout_rel_error_after"] = best[2] if best is not None else before
+    keep = best is not None and best[2] < before
+    if not all(math.isfinite(v) for v in rec.values()):
+        keep = False
+    rec["kept"] = bool(keep)
+    rec["anchor"] = best[0] if keep else None
+    if len(judged) > 2:
+        key = "heldout_rel_errors" if held is not None else "rel_errors"
+        rec[key] = {_label(a): (e if math.isfinite(e) else None) for a, e in sorted(judged.items())}
+    return (w_best if keep else None), rec
 
 
 # ----------------------------------------------------------------------------- collecting
-def _accumulate(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], bias: bool) -> LayerStats:
-    """G, C, tr(YᵀY) from per-batch inputs X' and targets Y ([N, features] each)."""
-    G = C = None
-    yy, tokens = 0.0, 0
-    for x, y in zip(xs, ys):
+class _Acc:
+    """G, C, tr(YᵀY) accumulated batch by batch (float64 on CPU): no activations are kept."""
+
+    def __init__(self, bias: bool):
+        self.bias = bias
+        self.G: torch.Tensor | None = None
+        self.C: torch.Tensor | None = None
+        self.yy, self.tokens = 0.0, 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One batch: inputs X' and targets Y [N, features]."""
         x = x.to(torch.float64).cpu()
-        if bias:
+        if self.bias:
             x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
         y = y.to(torch.float64).cpu()
-        G = x.T @ x if G is None else G + x.T @ x
-        C = x.T @ y if C is None else C + x.T @ y
-        yy += float((y * y).sum())
-        tokens += x.shape[0]
-    return LayerStats(G, C, yy, tokens, bias)
+        self.G = x.T @ x if self.G is None else self.G + x.T @ x
+        self.C = x.T @ y if self.C is None else self.C + x.T @ y
+        self.yy += float((y * y).sum())
+        self.tokens += x.shape[0]
+
+    def stats(self) -> LayerStats:
+        return LayerStats(self.G, self.C, self.yy, self.tokens, self.bias)
+
+
+def _accumulate(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], bias: bool) -> LayerStats:
+    """G, C, tr(YᵀY) from per-batch inputs X' and targets Y ([N, features] each)."""
+    acc = _Acc(bias)
+    for x, y in zip(xs, ys):
+        acc.add(x, y)
+    return acc.stats()
 
 
 class _Stream:
@@ -156,10 +328,9 @@ class _Stream:
         self.mod = self.orig
         self.diverged = original is not modified
 
-    def _run_capturing(self, layer: nn.Module, o_proj: nn.Module, index: int, hidden, want_x: bool,
-                       want_y: bool):
-        """Run `layer` on `hidden`; o_proj's inputs X and/or outputs Y on the real tokens, per batch."""
-        xs: list[torch.Tensor] = []
+    def _run_capturing(self, layer: nn.Module, o_proj: nn.Module, index: int, hidden, acc: _Acc | None):
+        """Run `layer` on `hidden`; o_proj's outputs Y on the real tokens, per batch (with `acc`:
+        its inputs X too, accumulated with Y at once and no Y kept)."""
         ys: list[torch.Tensor] = []
         state: dict = {}
 
@@ -167,30 +338,44 @@ class _Stream:
             state["mask"] = self.replay.mask(b, dev)
 
         def grab_x(module, args):
-            xs.append(real_tokens(args[0], state["mask"]).float().cpu())
+            state["x"] = real_tokens(args[0], state["mask"]).float().cpu()
 
         def grab_y(module, args, out):
-            ys.append(real_tokens(out[0] if isinstance(out, tuple) else out, state["mask"]).float().cpu())
+            y = real_tokens(out[0] if isinstance(out, tuple) else out, state["mask"]).float().cpu()
+            if acc is None:
+                ys.append(y)
+            else:
+                acc.add(state.pop("x"), y)
 
-        handles = ([o_proj.register_forward_pre_hook(grab_x)] if want_x else []) + \
-                  ([o_proj.register_forward_hook(grab_y)] if want_y else [])
+        handles = ([o_proj.register_forward_pre_hook(grab_x)] if acc is not None else []) + \
+                  [o_proj.register_forward_hook(grab_y)]
         try:
             outs = self.replay.run(layer, index, hidden, before_batch=before)
         finally:
             for h in handles:
                 h.remove()
-        return outs, xs, ys
+        return outs, ys
 
     def layer_stats(self, original, modified, adapter: Adapter, index: int) -> LayerStats:
-        """Statistics of layer `index` (modified's input X' against original's output Y); advances `orig`."""
+        """Statistics of layer `index` (modified's input X' against original's output Y); advances `orig`.
+
+        The original layer runs whole (its output feeds the next layer); the modified one only
+        up to its output projection, whose input is all that is needed of it here.
+        """
         lo, o_orig = adapter.layer_module(original, index), adapter.o_proj_module(original, index)
         o_mod = adapter.o_proj_module(modified, index)
+        acc = _Acc(getattr(o_mod, "bias", None) is not None)
         if self.diverged:
-            self.orig, _, ys = self._run_capturing(lo, o_orig, index, self.orig, False, True)
-            _, xs, _ = self._run_capturing(adapter.layer_module(modified, index), o_mod, index, self.mod, True, False)
+            self.orig, ys = self._run_capturing(lo, o_orig, index, self.orig, None)
+
+            def take(b: int, x: torch.Tensor) -> None:
+                acc.add(real_tokens(x, self.replay.mask(b, x.device)).float().cpu(), ys[b])
+                ys[b] = None  # accumulated: free it
+
+            self.replay.inputs_of(adapter.layer_module(modified, index), index, self.mod, o_mod, take)
         else:  # the same model on the same inputs: one pass gives both
-            self.orig, xs, ys = self._run_capturing(lo, o_orig, index, self.orig, True, True)
-        return _accumulate(xs, ys, getattr(o_mod, "bias", None) is not None)
+            self.orig, _ = self._run_capturing(lo, o_orig, index, self.orig, acc)
+        return acc.stats()
 
     def advance_modified(self, modified, adapter: Adapter, index: int, changed: bool) -> None:
         """Move `mod` past layer `index` of the (now changed) modified model."""
@@ -221,21 +406,32 @@ def sequential_refit(
     *,
     layers: Sequence[int] | None = None,
     damping: float = 1e-2,
+    anchor: float | Sequence[float] | None = None,
     heldout_batches: Sequence[dict] | None = None,
     on_layer: OnLayer | None = None,
     device: torch.device | str | None = None,
 ) -> list[dict]:
     """Refit `modified`'s output projections, layer by layer, to reproduce `original`'s.
 
-    Returns per layer {layer, rel_error_before, rel_error_after, kept} (and the held-out
-    errors when `heldout_batches` are given: a refit is kept only if it lowers them).
-    `original` may be `modified` itself when `on_layer` makes the changes: each layer's
-    targets are taken before `on_layer` touches it.
+    Each layer's refit is the ridge toward W0, the weights the layer has without a refit
+    (`ridge_solution`): `anchor` is its strength relative to the mean diagonal of the Gram
+    matrix (0: the plain damped refit as before anchors existed, inf: no refit), one value or
+    several to choose from per layer. The candidates, and W0 itself, are judged on
+    `heldout_batches` when given (else on the calibration batches) and the best is applied
+    (`choose_anchor`): with one value, the refit is kept only where it lowers that error.
+    The default (None) is ANCHOR_GRID with held-out batches, else 0 (`resolve_anchor`).
+
+    Returns per layer {layer, rel_error_before, rel_error_after, tokens, kept, anchor} (and
+    the held-out errors when `heldout_batches` are given; every candidate's judged error when
+    there are several). `original` may be `modified` itself when `on_layer` makes the
+    changes: each layer's targets are taken before `on_layer` touches it.
 
     The layers are replayed one at a time on cached hidden states (layerwise.py): one pass
     per layer and model. With `device`, the models stay where they are (e.g. on CPU, hidden
     states too) and each layer moves to `device` only while it runs.
     """
+    anchor = resolve_anchor(anchor, bool(heldout_batches))
+    anchor_candidates(anchor)  # a usage error before any work
     n_layers = adapter.num_layers(modified.config)
     layers = sorted(range(n_layers) if layers is None else set(layers))
     if not layers:
@@ -260,21 +456,12 @@ def sequential_refit(
                 stats = stats.restrict(columns)
                 held = held.restrict(columns) if held is not None else None
             module = adapter.o_proj_module(modified, layer)
-            w_old = o_proj_matrix(adapter, module)
-            w_new = ridge_solution(stats, damping)
-            row = {"layer": layer, "rel_error_before": relative_error(stats, w_old),
-                   "rel_error_after": relative_error(stats, w_new), "tokens": stats.tokens}
-            keep = row["rel_error_after"] < row["rel_error_before"]
-            if held is not None:
-                row["heldout_rel_error_before"] = relative_error(held, w_old)
-                row["heldout_rel_error_after"] = relative_error(held, w_new)
-                keep = row["heldout_rel_error_after"] < row["heldout_rel_error_before"]
-            if not all(math.isfinite(v) for k, v in row.items() if k.startswith(("rel", "held"))):
-                keep = False
-            row["kept"] = bool(keep)
-            if keep:
+            w_new, rec = choose_anchor(stats, o_proj_matrix(adapter, module), damping, anchor, held)
+            row = {"layer": layer, "rel_error_before": rec.pop("rel_error_before"),
+                   "rel_error_after": rec.pop("rel_error_after"), "tokens": stats.tokens, **rec}
+            if w_new is not None:
                 set_o_proj_matrix(adapter, module, w_new)
-            changed = keep or columns is not None or original is not modified
+            changed = row["kept"] or columns is not None or original is not modified
             for s in streams:
                 if layer < layers[-1]:
                     s.advance_modified(modified, adapter, layer, changed)
@@ -282,3 +469,20 @@ def sequential_refit(
             bar.update(task, advance=1, rate=f"layer {layer}: {row['rel_error_before']:.3g} -> "
                                              f"{row['rel_error_after']:.3g}")
     return report
+
+
+def refit_table(report: Sequence[dict]) -> str:
+    """The per-layer refit record as a markdown table (for summaries and model cards)."""
+    held = any("heldout_rel_error_before" in r for r in report)
+    head = "| layer | anchor | calibration error | " + ("held-out error | " if held else "") + "refit |"
+    lines = [head, "|---:|---:|---|" + ("---|" if held else "") + "---|"]
+    for r in report:
+        a = r.get("anchor")
+        cells = [str(r["layer"]), "-" if a is None else f"{a:g}",
+                 f"{r['rel_error_before']:.4g} → {r['rel_error_after']:.4g}"]
+        if held:
+            cells.append(f"{r['heldout_rel_error_before']:.4g} → {r['heldout_rel_error_after']:.4g}"
+                         if "heldout_rel_error_before" in r else "-")
+        cells.append("kept" if r["kept"] else "rejected")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

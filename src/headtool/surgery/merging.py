@@ -31,8 +31,9 @@ the norm weights, shared by all heads, stay as they are. Merging identical heads
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -48,6 +49,27 @@ METHODS = ("mean", "aligned", "fit")
 GROUPINGS = ("contiguous", "similarity")
 DATA_METHODS = ("aligned", "fit")
 _EPS = 1e-12
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _one_thread(fn: _F) -> _F:
+    """Run `fn` on one intra-op thread (and put the count back after).
+
+    The merges do linear algebra on small matrices (a head's 64 x 64 maps, a few hundred rows
+    at most), where threads only add synchronization; on a machine whose cores are shared, a
+    64 x 64 SVD was measured at 11 ms on one thread and 1.5 s on two.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        n = torch.get_num_threads()
+        if n == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+    return wrapper  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- targets
@@ -219,6 +241,7 @@ def _map_k(k: torch.Tensor, u: torch.Tensor | None, rk: torch.Tensor | None, rot
     return k
 
 
+@_one_thread
 def apply_alignment(b: Blocks, geo: LayerHeads, groups: Sequence[Sequence[int]], gram: torch.Tensor,
                     rot_dim: int, k_maps: bool = True) -> Blocks:
     """The layer with every old KV head mapped onto its group's reference, nothing averaged.
@@ -252,12 +275,19 @@ def apply_alignment(b: Blocks, geo: LayerHeads, groups: Sequence[Sequence[int]],
 def _pca_merge(t: torch.Tensor, cov: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best rank-`dim` y ~ B z with z = G s, for y = T s and E[s s^T] = cov: (G [dim, S], B [Y, dim]).
 
-    B spans the leading principal directions of y (orthonormal columns), G = B^T T.
+    B spans the leading principal directions of y (orthonormal columns), G = B^T T. They are
+    the leading left singular vectors of A = T cov^(1/2), found from the small Gram A^T A
+    (S x S, S a few hundred) rather than an SVD of the tall A: U = A V / sigma.
     """
     lam, vec = torch.linalg.eigh(cov)
     root = vec * lam.clamp_min(0).sqrt()
-    ub, _, _ = torch.linalg.svd(t @ root, full_matrices=False)
-    B = ub[:, :dim]
+    a = t @ root
+    s2, v = torch.linalg.eigh(a.T @ a)
+    s2, v = s2.flip(0)[:dim], v.flip(1)[:, :dim]
+    if dim and float(s2[-1]) > 1e-6 * max(float(s2[0]), _EPS):  # well conditioned: U to ~1e-10
+        B = (a @ v) / s2.sqrt()
+    else:  # (nearly) rank below dim: the SVD, accurate and completing the basis
+        B = torch.linalg.svd(a, full_matrices=False)[0][:, :dim]
     return B.T @ t, B
 
 
@@ -299,6 +329,7 @@ def _fit_real(y_scale: list[torch.Tensor], src: list[int], sources: list[int], h
 
 
 # --------------------------------------------------------------------------- merge
+@_one_thread
 def merge_layer(b: Blocks, geo: LayerHeads, groups: Sequence[Sequence[int]], method: str,
                 gram: torch.Tensor | None, rot_dim: int, qk_norm: bool) -> Blocks:
     """The layer with one KV head per group; query heads (and o columns) in group order."""
@@ -364,6 +395,7 @@ def contiguous_groups(geo: LayerHeads, n: int) -> list[tuple[int, ...]]:
     return [tuple(range(i * size, (i + 1) * size)) for i in range(n)]
 
 
+@_one_thread
 def kv_distances(b: Blocks, gram: torch.Tensor, rot_dim: int, k_aligned: bool, v_aligned: bool) -> torch.Tensor:
     """Relative merge error of every pair of old KV heads [K, K] (K and V parts summed).
 
@@ -553,13 +585,19 @@ CONVERT_INSTEAD = ("use --sequential (one layer at a time on --device) for the d
 def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: str = "contiguous",
                   grams: Mapping[int, torch.Tensor] | None = None, refit: bool = False,
                   batches: Sequence[dict] | None = None, heldout_batches: Sequence[dict] | None = None,
-                  damping: float = 1e-2, calib_device=None) -> Converted:
+                  damping: float = 1e-2, anchor: float | Sequence[float] | None = None,
+                  calib_device=None) -> Converted:
     """A converted copy of `original` (left untouched) with `n` KV heads per layer.
 
     With `refit`, the output projections are refit sequentially through the layers on
     `batches` (each layer fed by the already converted and refit earlier ones), damped, and a
-    layer's refit is kept only when it lowers the error on `heldout_batches`. With
-    `calib_device`, the refit moves one layer at a time to that device (the model stays put).
+    layer's refit is kept only when it lowers the error on `heldout_batches`. `anchor` pulls
+    the refit toward the merged output projection (the weights without a refit), relative to
+    the mean diagonal of the Gram matrix: 0 is the plain damped refit, inf none; several
+    values are candidates chosen per layer on `heldout_batches` (see
+    compensation.sequential_refit). The default (None) chooses from compensation.ANCHOR_GRID
+    when there are `heldout_batches`, else is 0. With `calib_device`, the refit moves one
+    layer at a time to that device (the model stays put).
     """
     import copy
     import time
@@ -574,6 +612,6 @@ def convert_model(original, adapter: Adapter, n: int, *, method: str, grouping: 
     if refit:
         if not batches:
             raise UsageError("the output-projection refit needs calibration data (--data)")
-        report = sequential_refit(original, model, adapter, batches, damping=damping,
+        report = sequential_refit(original, model, adapter, batches, damping=damping, anchor=anchor,
                                   heldout_batches=heldout_batches, device=calib_device)
     return Converted(method, model, plans, report, time.perf_counter() - t0)

@@ -20,7 +20,15 @@ from ..measure.evaluation import evaluate
 from ..model.info import model_info
 from ..model.placement import require_resident_weights
 from ..model.resize import resize_attention
-from .compensation import o_columns, removal_cost, sequential_refit
+from .compensation import (
+    anchor_candidates,
+    o_columns,
+    o_proj_matrix,
+    refit_table,
+    removal_cost,
+    resolve_anchor,
+    sequential_refit,
+)
 from .selection import Selection, choose_removal
 
 CHOICES = ("auto", "scores", "refit")
@@ -103,6 +111,7 @@ def prune(
     choose_in_layer: str = "auto",
     refit_layers: str = "pruned",
     damping: float = 1e-2,
+    anchor: float | Sequence[float] | None = None,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
     calib_device=None,
@@ -115,6 +124,14 @@ def prune(
     `selection`), removed, and the output projection refit by ridge least squares to the
     original attention output (sequential calibration, see compensation.py). With
     `calib_device`, the model stays where it is and each layer visits that device in turn.
+
+    `anchor` pulls each refit toward the layer's weights without a refit (the original output
+    projection less the removed heads' columns), relative to the mean diagonal of the Gram
+    matrix: 0 is the plain damped refit, inf no refit; several values are candidates chosen
+    per layer on `heldout_batches` (which may come from another source than the calibration;
+    without them, on the calibration batches). A layer keeps its refit only where it lowers
+    that error. The default (None) chooses from compensation.ANCHOR_GRID when there are
+    `heldout_batches`, else is 0. Heads are chosen ('refit') for the weakest finite candidate.
     """
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
@@ -124,6 +141,9 @@ def prune(
         raise UsageError("--compensate needs calibration data (--data)")
     if damping <= 0:
         raise UsageError(f"--damping must be positive (got {damping})")
+    anchor = resolve_anchor(anchor, bool(heldout_batches))
+    candidates = anchor_candidates(anchor)
+    cost_anchor = min(candidates)  # inf only when no refit is a candidate
     t0 = time.perf_counter()
     model, adapter = loaded.model, loaded.adapter
     require_resident_weights(model, "prune", PRUNE_INSTEAD)
@@ -142,7 +162,9 @@ def prune(
             kept = list(selection.kept[layer])
             n_remove = geo.num_heads - len(kept)
             if choice == "refit" and n_remove:
-                gone = choose_removal(geo, n_remove, unit, removal_cost(stats, damping, adapter, geo))
+                w0 = o_proj_matrix(adapter, adapter.o_proj_module(model, layer)) if cost_anchor else None
+                cost = removal_cost(stats, damping, adapter, geo, anchor=cost_anchor, w0=w0)
+                gone = choose_removal(geo, n_remove, unit, cost)
                 kept = [h for h in range(geo.num_heads) if h not in set(gone)]
             kept_final[layer] = tuple(kept)
             prune_layer(model, adapter, layer, geo, kept)
@@ -150,7 +172,7 @@ def prune(
 
         layers = [i for i, g in enumerate(geometry) if refit_layers == "all" or len(selection.kept[i]) < g.num_heads]
         report = sequential_refit(model, model, adapter, calib_batches, layers=layers, damping=damping,
-                                  heldout_batches=heldout_batches, on_layer=on_layer, device=calib_device)
+                                  anchor=anchor, heldout_batches=heldout_batches, on_layer=on_layer, device=calib_device)
         done = set(layers)
         for i, g in enumerate(geometry):  # layers that were not refit are still pruned
             if i not in done:
@@ -181,5 +203,9 @@ def markdown_table(result: PruneResult, config_kind: str) -> str:
         metric = "perplexity" if "perplexity" in result.eval_before else "accuracy"
         lines.append(f"| eval loss | {result.eval_before['loss']:.4f} | {result.eval_after['loss']:.4f} |")
         lines.append(f"| eval {metric} | {result.eval_before[metric]:.4f} | {result.eval_after[metric]:.4f} |")
+    if result.compensation:
+        lines += ["", ("Output-projection refit per layer (relative errors before → after; anchor: strength "
+                       "toward the unrefit weights, - where the refit was rejected):"), "",
+                  refit_table(result.compensation)]
     lines += ["", f"Config kind: {config_kind}."]
     return "\n".join(lines)
