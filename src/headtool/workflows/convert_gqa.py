@@ -2,7 +2,6 @@
 and write a standard checkpoint; with several merge methods, the best on held-out data is written."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights, sequential_placement
+from ..surgery.compensation import refit_table
 from ..surgery.merging import (
     CONVERT_INSTEAD,
     DATA_METHODS,
@@ -26,8 +26,8 @@ from ..surgery.merging import (
     summary_figures,
 )
 from ..surgery.streaming import open_checkpoint, stream_convert_mean
-from .data_plan import eval_spec, with_default_blocks
-from .requests import ConvertRequest
+from .data_plan import eval_spec, heldout_spec, with_default_blocks
+from .requests import ConvertRequest, parse_anchor
 
 @dataclass
 class ConvertRun:
@@ -56,6 +56,12 @@ def card_table(summary: dict[str, Any]) -> str:
         lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | "
                      f"{next(r for r in summary['results'] if r['method'] == summary['chosen'])['eval']['loss']:.4f} |")
     lines += ["", f"Merge: `{summary['chosen']}`, grouping `{summary['grouping']}`."]
+    refit = next((r.get("refit") for r in summary["results"] if r["method"] == summary["chosen"]), None)
+    if refit:
+        held = summary.get("heldout_data") or {}
+        lines += ["", "Output-projection refit per layer (anchor: the pull toward the weights without a refit, "
+                  f"chosen on held-out blocks of `{held.get('source', 'the calibration data')}`):", "",
+                  refit_table(refit)]
     return "\n".join(lines)
 
 
@@ -109,7 +115,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
         "kv_groups": [[list(g) for g in p.groups] for p in best.plans],
         "method": best.method,
         "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods, "refit": req.refit,
-                    "damping": req.damping},
+                    "damping": req.damping, "anchor": req.anchor},
         "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
                                              "calibration_data", "heldout_data", "eval_data")},
     }
@@ -155,11 +161,12 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
         n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
         used = spec.skip_samples + cal.info["samples"]
         if n_held > 0:
-            held = make_batches(dataclasses.replace(spec, max_samples=n_held, num_tokens=None,
-                                                    skip_samples=used), lm.tokenizer, data_task, model=tm)
-            used += held.info["samples"]
+            hspec = heldout_spec(spec, req.heldout_data, n_held, used)
+            held = make_batches(hspec, lm.tokenizer, data_task, model=tm)
+            if hspec.source == spec.source:
+                used += held.info["samples"]
         info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
-             + (f" ({held.info['samples']} more held out)" if held else ""))
+             + (f" ({held.info['samples']} held out from {held.info.get('source')})" if held else ""))
         grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
     ev = None
     if req.eval_data:
@@ -176,7 +183,7 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
         conv = convert_model(lm.model, lm.adapter, req.kv_heads, method=method, grouping=req.grouping, grams=grams,
                              refit=do_refit and cal is not None, batches=cal.batches if cal else None,
                              heldout_batches=held.batches if held else None, damping=req.damping,
-                             calib_device=calib_device)
+                             anchor=parse_anchor(req.anchor), calib_device=calib_device)
         row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
         if held:
             row["heldout_loss"] = evaluate(conv.model, held.batches, objective, label=f"held-out {method}")["loss"]

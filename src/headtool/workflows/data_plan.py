@@ -30,6 +30,8 @@ def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: in
     if isinstance(eval_data, DataSpec):
         if eval_data.max_samples is None and eval_data.num_tokens is None:
             eval_data = replace(eval_data, max_samples=eval_samples)
+        if spec is not None and eval_data.source == spec.source and eval_data.skip_samples == 0:
+            eval_data = replace(eval_data, skip_samples=used)  # after calibration, unless it says where
         return eval_data, eval_data.skip_samples
     same = spec is not None and eval_data == spec.source
     if same and spec.max_samples is None:
@@ -42,3 +44,19 @@ def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: in
     if not same:  # another source: its own columns and split
         espec = replace(espec, split=None, text_column=None)
     return espec, skip
+
+
+def heldout_spec(spec: DataSpec, heldout_data: str | DataSpec | None, blocks: int, used: int) -> DataSpec:
+    """The held-out blocks on which refits and merges are chosen: `blocks` of --heldout-data (a
+    DataSpec as given, or a source cut like the calibration), else of --data after the `used`
+    calibration blocks."""
+    if isinstance(heldout_data, DataSpec):
+        if heldout_data.max_samples is None and heldout_data.num_tokens is None:
+            heldout_data = replace(heldout_data, max_samples=blocks)
+        if heldout_data.source == spec.source and heldout_data.skip_samples == 0:
+            heldout_data = replace(heldout_data, skip_samples=used)  # after calibration, unless it says where
+        return heldout_data
+    if heldout_data is None or heldout_data == spec.source:
+        return replace(spec, skip_samples=used, max_samples=blocks, num_tokens=None)
+    return replace(spec, source=heldout_data, split=None, text_column=None, label_column=None,
+                   skip_samples=0, max_samples=blocks, num_tokens=None)

@@ -2,7 +2,7 @@
 or listed) and write a checkpoint that reloads; optionally refit the output projections."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
@@ -26,8 +26,8 @@ from ..surgery.selection import (
     selection_from_removed,
 )
 from ..surgery.streaming import prune_checkpoint_streaming
-from .data_plan import eval_spec, with_default_blocks
-from .requests import PruneRequest
+from .data_plan import eval_spec, heldout_spec, with_default_blocks
+from .requests import PruneRequest, parse_anchor
 
 
 @dataclass
@@ -82,6 +82,9 @@ def run_prune(req: PruneRequest) -> PruneRun:
     options = {"target": target.describe() if target else None, "heads": req.heads, "compensate": req.compensate,
                "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
                "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
+               "anchor": req.anchor if req.compensate else None,
+               "heldout_data": (req.heldout_data if isinstance(req.heldout_data, (str, type(None)))
+                                else req.heldout_data.source) if req.compensate else None,
                "calibration_data": (calib_info(lm, spec) if req.compensate else None), "dtype": load.dtype}
     meta = {"operation": "prune", "method": score_info.get("method", "explicit" if req.heads else None),
             "scores": score_info or None, "options": options,
@@ -138,10 +141,11 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
             matrix, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm)
         selection = select_heads(matrix, geometry, target)
     calib, heldout, eval_batches, eval_objective, eval_info = _data(
-        lm, spec, req.compensate, req.heldout_samples, req.eval_data, req.eval_samples, req.objective, tm)
+        lm, spec, req, tm)
     result = prune(lm, selection, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
                    compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
-                   damping=req.damping, eval_batches=eval_batches, objective=eval_objective, calib_device=calib_device)
+                   damping=req.damping, anchor=parse_anchor(req.anchor), eval_batches=eval_batches,
+                   objective=eval_objective, calib_device=calib_device)
     return Pruned(result, target, score_info, eval_info, spec)
 
 
@@ -173,9 +177,12 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tu
                            "normalize": result.normalize, "data": calib_info(lm, spec)}
 
 
-def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | None, eval_samples: int,
-          objective: str, tm):
+def _data(lm, spec, req: PruneRequest, tm):
     """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others)."""
+    compensate, eval_data, eval_samples, objective = req.compensate, req.eval_data, req.eval_samples, req.objective
+    heldout_samples = req.heldout_samples
+    if compensate and req.heldout_data is not None and not heldout_samples:
+        heldout_samples = max(4, (spec.max_samples or 16) // 4)
     calib = heldout = eval_batches = None
     eval_objective = eval_info = None
     used = 0
@@ -185,9 +192,10 @@ def _data(lm, spec, compensate: bool, heldout_samples: int, eval_data: str | Non
         calib = make_batches(spec, lm.tokenizer, "plain", model=tm).batches
         used = spec.skip_samples + (spec.max_samples or 0)
         if heldout_samples:
-            heldout = make_batches(replace(spec, skip_samples=used, max_samples=heldout_samples),
-                                   lm.tokenizer, "plain", model=tm).batches
-            used += heldout_samples
+            hspec = heldout_spec(spec, req.heldout_data, heldout_samples, used)
+            heldout = make_batches(hspec, lm.tokenizer, "plain", model=tm).batches
+            if hspec.source == spec.source:
+                used += heldout_samples
     elif spec is not None and spec.max_samples is not None:
         used = spec.skip_samples + spec.max_samples
     if eval_data is not None:

@@ -66,14 +66,21 @@ def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
     for field_name, c in nested.items():
         keys = {o.name for o in options_of(c)}
         kwargs[field_name] = c(**{k: v for k, v in step.items() if k in keys}, seed=data.seed)
-    if isinstance(step.get("eval_data"), dict):
-        kwargs["eval_data"] = DataSpec(**step_data(recipe, step, "eval_data"))
+    for key, opt in own.items():  # eval_data, heldout_data: a data block (over the recipe's) or a source
+        if isinstance(step.get(key), dict) and isinstance(opt.type, tuple) and DataSpec in opt.type:
+            block = {k: v for k, v in step_data(recipe, step, key).items() if k not in CUT_KEYS or k in step[key]}
+            kwargs[key] = DataSpec(**block)
     model = recipe.values["model"]
     if name == "eval":
         return cls(models=(model,), **kwargs, data=data)
     if name == "heal":
         return cls(student=model, teacher=model, output="", **kwargs, data=data)
     return cls(model=model, **kwargs, data=data)
+
+
+#: how many blocks and which: a held-out or evaluation block says these itself (or takes its
+#: command's default, e.g. eval_samples), never from the recipe's calibration block
+CUT_KEYS = ("max_samples", "num_tokens", "skip_samples")
 
 
 def check_geometry(ctx: Context) -> None:

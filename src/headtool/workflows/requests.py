@@ -29,6 +29,12 @@ GROUPINGS = ("contiguous", "similarity")
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
 CALIBRATION_BLOCKS = 64
 
+ANCHOR_HELP = ("auto (per layer: the strength among 0, 0.01, 0.1, 1, 10 and inf with the least error on the "
+               "held-out blocks; 0 without held-out blocks) | a number (0: the plain refit, inf: no refit) | a comma "
+               "list of candidates. Pulls the refit toward the weights without a refit; relative to the mean "
+               "diagonal of the Gram matrix")
+HELDOUT_DATA_HELP = ("held-out data of ANOTHER source on which each layer's refit and the merge are chosen "
+                     "(what generalizes beyond --data); default: the blocks of --data after the calibration")
 METHOD_HELP = ("gradient (default, Michel et al.) | ablation (exact loss increase) | taylor (TextPruner) | "
                "fisher (Kwon et al.) | magnitude (weights, no data) | random (seeded baseline)")
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
@@ -37,6 +43,21 @@ SEQUENTIAL_HELP = ("models larger than the device: keep the model on CPU and mov
                    "for calibration (scoring and --eval-data run on CPU)")
 _SEQ = "a whole-recipe key: `sequential: true` at the top of the recipe"
 _WRITE_ONCE = "a recipe writes its final model once: output, overwrite and shard_size are top-level keys"
+
+
+def parse_anchor(text: str) -> float | tuple[float, ...] | None:
+    """--anchor: None for auto (the library chooses), a number, or a tuple of candidates."""
+    from ..errors import UsageError
+
+    if str(text).strip() == "auto":
+        return None
+    try:
+        values = tuple(float(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v != v or v < 0 for v in values):
+        raise UsageError(f"--anchor {text!r}: use auto, a number >= 0, inf, or a comma list of them")
+    return values[0] if len(values) == 1 else values
 
 
 def _model(help: str = MODEL_HELP):
@@ -124,8 +145,11 @@ class PruneRequest:
                                "drift)", choices=("pruned", "all"), panel=_C)
     damping: float = option(1e-2, "ridge damping, relative to the mean diagonal of the Gram matrix", min=0,
                             panel=_C)
-    heldout_samples: int = option(0, "blocks after the calibration data on which each refit must lower the "
-                                  "error to be kept (0: no check)", min=0, panel=_C)
+    anchor: str = option("auto", ANCHOR_HELP, panel=_C)
+    heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
+                                  "none); 0: no check, unless --heldout-data (then a quarter of the calibration)",
+                                  min=0, panel=_C)
+    heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP, panel=_C)
     eval_data: str | DataSpec | None = option(None, "measure loss / perplexity before and after on this data "
                                               "(held out from --data when it is the same source)", panel=_E)
     eval_samples: int = option(32, "blocks for --eval-data", min=1, panel=_E)
@@ -146,6 +170,7 @@ class PruneRequest:
         from ..optionspec import check
 
         check(self)
+        parse_anchor(self.anchor)
 
 
 @dataclass(frozen=True)
@@ -162,8 +187,10 @@ class ConvertRequest:
     refit: bool | None = option(None, "sequential output-projection refit (default: on for fit)",
                                 flags=("--refit/--no-refit",))
     damping: float = option(1e-2, "ridge damping of the refit, relative", min=0)
-    heldout_samples: int | None = option(None, "calibration blocks held out to check each refit and choose the "
-                                         "merge (default: a quarter)", min=0)
+    anchor: str = option("auto", ANCHOR_HELP)
+    heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) and the "
+                                         "merge are chosen (default: a quarter of the calibration)", min=0)
+    heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
     eval_data: str | DataSpec | None = option(None, "data to measure loss before/after (blocks disjoint from "
                                               "calibration when it is the same source)")
     eval_samples: int = option(32, "blocks of --eval-data", min=1)
@@ -182,6 +209,7 @@ class ConvertRequest:
         from ..optionspec import check
 
         check(self)
+        parse_anchor(self.anchor)
 
 
 @dataclass(frozen=True)
