@@ -276,14 +276,19 @@ def main() -> None:
 
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    import transformers
+
     doc = {"model": MODEL, "dtype": "float32", "command": command,
+           "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                        "transformers": transformers.__version__},  # pydoc's text follows the Python
            "settings": {"calibrations": calibrations, "fractions": fractions, "merges": merges, "cal": a.cal,
                         "held": a.held, "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
                         "scores": "gradient (score_loaded, on the calibration blocks)",
                         "prune": "prune_loaded: --compensate, --choose-in-layer auto, no held-out check",
                         "convert": "convert_loaded: --kv-heads 1, one --merge at a time, "
                                    "--heldout-samples HELD, refit for fit only",
-                        "threads": __import__("torch").get_num_threads()},
+                        "threads": torch.get_num_threads()},
            "domains": domains, "order": list(domains), "in_domain": IN_DOMAIN, "calibration": {}, "rows": []}
 
     def save() -> None:
