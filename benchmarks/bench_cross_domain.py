@@ -1,0 +1,399 @@
+"""Cross-domain quality on SmolLM2-135M without training: calibrate on one source, evaluate on text it never saw.
+
+Every other quality figure (bench_quality.py) calibrates and evaluates on `builtin:pydoc`, which
+flatters the refits (issue 18). Here each compressed model is evaluated on two out-of-domain
+sets and, last and labelled as such, on held-out `builtin:pydoc` blocks.
+
+Rows: the unpruned model; then for each calibration source (--calibrations, default
+`builtin:pydoc`, `self` and `builtin:pydoc+self`): --fractions of the query heads removed with
+`--compensate` (gradient scores computed on the same calibration blocks), and 3 -> 1 KV heads
+with each of --merges. `mean` needs no data, so it is one row whatever the calibration.
+The rows run the workflow functions the CLI runs: `score_loaded` then `prune_loaded` (what
+`headtool score --data D | headtool prune --scores - --fraction F --compensate --data D`
+does; the recipe's score -> prune steps pass the scores in memory the same way) and
+`convert_loaded` with one `--merge` method at a time (with a comma list it keeps only the best).
+A row's seconds are its surgery and its evaluation on every domain; making the calibration text
+(for `self`: generating it the first time) and the gradient scores happen once per calibration
+and are reported apart.
+Calibration: DataSpec(source=CAL_SOURCE, max_samples=--cal, seed=0), held-out refit checks
+of `fit` / the merge choice: the next --held blocks of the same source (`--heldout-samples`);
+prune uses the CLI's default (no held-out check). `self` text is sampled from the unpruned
+model and cached under $HEADTOOL_CACHE/selfcal (the first run generates it).
+
+Evaluation (the same blocks for every row, --eval blocks of --seq-len tokens each):
+
+* news: the Lee Background Corpus (Lee, Pincombe & Welsh 2005, "An empirical evaluation of
+  models of text document similarity"): 300 Australian news articles (ABC news mail service),
+  one per line, about 360 KB. It ships in the gensim wheel on PyPI as
+  `gensim/test/test_data/lee_background.cor`; gensim is LGPL-2.1, and the articles carry no
+  licence of their own (they were collected for research), so the text is never committed:
+  the first run fetches the wheel with `pip download --no-deps --only-binary :all: gensim==4.4.0`,
+  extracts that one member and caches it as $HEADTOOL_CACHE/bench-data/lee_background.txt;
+  later runs are offline.
+* legal: the licence texts that ship with the installed Python packages: every `LICENSE*`,
+  `COPYING*` and `licenses/*` file under the `*.dist-info` folders of this interpreter's
+  site-packages, deduplicated by content (whitespace-normalised), sorted by path and joined into
+  $HEADTOOL_CACHE/bench-data/python-licences.txt (English legal prose: MIT, BSD, Apache,
+  GPL/LGPL, PSF, ...; each file under its own package's licence, which permits redistribution
+  of the licence text). Rebuilt every run from the installed packages; its sha256 and file
+  count are recorded, since another set of packages gives another text.
+* in-domain: `builtin:pydoc` blocks after the --cal + --held blocks of every calibration (so
+  disjoint from all of them; for `self` calibration this is simply a third domain, for the
+  mixture half in-domain). Reported last: it flatters the pydoc-calibrated rows.
+
+Each evaluation set is DataSpec(source=FILE, seq_len, max_samples=--eval, seed=0): a seeded
+choice of blocks from the whole text. The script checks that every set has at least
+--min-blocks blocks and that no evaluation block is also a calibration or held-out block.
+
+    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_cross_domain.py
+
+Writes benchmarks/results/cross_domain.json after every row (a partial run keeps its rows) and
+prints the table (perplexity and its ratio to the unpruned model; out-of-domain columns first).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: shared cores
+
+from headtool.data.batches import make_batches
+from headtool.data.sources import DataSpec
+from headtool.measure.evaluation import evaluate
+from headtool.model.loading import load_model, model_from_object
+from headtool.model.refs import cache_dir
+from headtool.surgery.merging import summary_figures
+from headtool.workflows.convert_gqa import convert_loaded
+from headtool.workflows.prune import prune_loaded
+from headtool.workflows.requests import ConvertRequest, PruneRequest, ScoreRequest
+from headtool.workflows.score import score_loaded
+
+HERE = Path(__file__).resolve().parent
+MODEL = "smollm2-135m"
+CALIBRATIONS = ("builtin:pydoc", "self", "builtin:pydoc+self")
+MERGES = ("mean", "aligned", "fit")
+DATA_FREE_MERGES = ("mean",)
+
+GENSIM = "gensim==4.4.0"
+LEE_MEMBER = "gensim/test/test_data/lee_background.cor"
+NEWS_FILE = "lee_background.txt"
+LEGAL_FILE = "python-licences.txt"
+IN_DOMAIN = "in-domain"
+IN_DOMAIN_LABEL = "in-domain (flatters)"
+
+
+# --------------------------------------------------------------------------- evaluation texts
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
+def news_text(folder: Path) -> tuple[Path, dict]:
+    """The Lee corpus as a .txt (fetched from the gensim wheel once, then read from the cache)."""
+    path = folder / NEWS_FILE
+    sidecar = path.with_suffix(".json")  # which wheel it came from (the text alone does not say)
+    meta = {"name": "news", "label": "news (Lee corpus)",
+            "what": "Lee Background Corpus: 300 ABC news articles, one per line",
+            "origin": f"{LEE_MEMBER} in the {GENSIM} wheel on PyPI (gensim: LGPL-2.1; the text is not committed)"}
+    if not path.exists():
+        with tempfile.TemporaryDirectory(prefix="headtool-gensim-") as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", GENSIM,
+                   "-d", tmp, "--quiet"]
+            print(f"fetching the Lee corpus: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, check=True)
+            wheels = sorted(Path(tmp).glob("gensim-*.whl"))
+            if not wheels:
+                raise SystemExit(f"pip download {GENSIM} gave no wheel")
+            with zipfile.ZipFile(wheels[0]) as z:
+                raw = z.read(LEE_MEMBER)
+            fetched = {"wheel": wheels[0].name, "wheel_sha256": _sha256(wheels[0]), "member": LEE_MEMBER}
+        _write_atomic(sidecar, json.dumps(fetched, indent=2) + "\n")
+        _write_atomic(path, _decode(raw))
+    if sidecar.exists():
+        meta.update(json.loads(sidecar.read_text(encoding="utf-8")))
+    text = path.read_text(encoding="utf-8")
+    meta["lines"] = sum(1 for line in text.splitlines() if line.strip())
+    return path, meta
+
+
+def _licence_files(site: Path) -> list[Path]:
+    out = []
+    for dist in sorted(site.glob("*.dist-info")):
+        for p in sorted(dist.rglob("*")):
+            if not p.is_file():
+                continue
+            rel = p.relative_to(dist)
+            if (p.name.upper().startswith(("LICENSE", "LICENCE", "COPYING"))
+                    or "licenses" in rel.parts[:-1] or "licences" in rel.parts[:-1]):
+                out.append(p)
+    return out
+
+
+def legal_text(folder: Path) -> tuple[Path, dict]:
+    """The licence texts of the installed packages, deduplicated, sorted by path, joined."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    files = _licence_files(site)
+    seen: set[str] = set()
+    kept: list[tuple[str, str]] = []
+    for p in sorted(files, key=lambda q: str(q.relative_to(site))):
+        text = _decode(p.read_bytes()).replace("\r\n", "\n").strip()
+        key = hashlib.sha256(re.sub(r"\s+", " ", text).encode()).hexdigest()
+        if not text or key in seen:
+            continue
+        seen.add(key)
+        kept.append((str(p.relative_to(site)), text))
+    joined = "\n\n".join(t for _, t in kept) + "\n"
+    path = folder / LEGAL_FILE
+    if not path.exists() or path.read_text(encoding="utf-8") != joined:
+        _write_atomic(path, joined)
+    meta = {"name": "legal", "label": "legal (package licences)",
+            "what": "licence texts of the installed Python packages (*.dist-info LICENSE*, COPYING*, "
+                    "licenses/*), deduplicated by whitespace-normalised content, sorted by path",
+            "origin": f"{site} (each text under its own package's licence; the text is not committed)",
+            "files_found": len(files), "files_kept": len(kept),
+            "packages": sorted({rel.split("/")[0] for rel, _ in kept})}
+    return path, meta
+
+
+def count_blocks(source: str, tokenizer, seq_len: int) -> int:
+    """Blocks of seq_len tokens the whole source gives (as make_batches cuts it)."""
+    return make_batches(DataSpec(source=source, seq_len=seq_len, batch_size=64), tokenizer, "lm").info["samples"]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _block_set(batches) -> set[tuple[int, ...]]:
+    return {tuple(row.tolist()) for b in batches for row in b["input_ids"]}
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrations", default=",".join(CALIBRATIONS),
+                    help="comma list of calibration --data sources (mixtures allowed)")
+    ap.add_argument("--fractions", default="0.25,0.5", help="fractions of query heads removed (with --compensate)")
+    ap.add_argument("--merges", default=",".join(MERGES), help="3 -> 1 KV merge methods, one row each")
+    ap.add_argument("--cal", type=int, default=32, help="calibration / scoring blocks")
+    ap.add_argument("--held", type=int, default=8, help="held-out blocks after them (fit's refit checks)")
+    ap.add_argument("--eval", type=int, default=16, help="evaluation blocks of every domain")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--min-blocks", type=int, default=64, help="fail when an evaluation text gives fewer blocks")
+    ap.add_argument("--out", default=str(HERE / "results" / "cross_domain.json"))
+    a = ap.parse_args()
+    calibrations = [c.strip() for c in a.calibrations.split(",") if c.strip()]
+    fractions = [float(f) for f in a.fractions.split(",") if f]
+    merges = [m.strip() for m in a.merges.split(",") if m.strip()]
+    bad = [m for m in merges if m not in MERGES]
+    if bad:
+        ap.error(f"--merges: unknown {', '.join(bad)}; use {', '.join(MERGES)}")
+    command = " ".join(["python", "benchmarks/bench_cross_domain.py", *sys.argv[1:]])
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    folder = cache_dir() / "bench-data"
+    news_path, news_meta = news_text(folder)
+    legal_path, legal_meta = legal_text(folder)
+    lm = load_model(MODEL, dtype="float32", device="cpu")
+    tok = lm.tokenizer
+    log("model loaded")
+
+    # ---- evaluation sets: out of domain first, in-domain last
+    used = a.cal + a.held
+    domains: dict[str, dict] = {}
+    for path, meta in ((news_path, news_meta), (legal_path, legal_meta)):
+        n = count_blocks(str(path), tok, a.seq_len)
+        if n < max(a.min_blocks, a.eval):
+            raise SystemExit(f"{meta['name']}: {path} gives {n} blocks of {a.seq_len} tokens, fewer than "
+                             f"{max(a.min_blocks, a.eval)}")
+        spec = DataSpec(source=str(path), seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.eval, seed=0)
+        domains[meta["name"]] = {**meta, "source": str(path), "sha256": _sha256(path),
+                                 "bytes": path.stat().st_size, "blocks_available": n, "spec": spec}
+    n_pydoc = count_blocks("builtin:pydoc", tok, a.seq_len)
+    if n_pydoc - used < a.eval:
+        raise SystemExit(f"builtin:pydoc gives {n_pydoc} blocks: too few for {used} calibration + held-out "
+                         f"and {a.eval} evaluation blocks")
+    domains[IN_DOMAIN] = {"name": IN_DOMAIN, "label": f"pydoc, {IN_DOMAIN_LABEL}",
+                          "what": "builtin:pydoc (Python help texts), the blocks after every calibration's "
+                                  "calibration and held-out blocks", "origin": "this Python's pydoc topics",
+                          "source": "builtin:pydoc", "blocks_available": n_pydoc,
+                          "spec": DataSpec(source="builtin:pydoc", seq_len=a.seq_len, batch_size=a.batch_size,
+                                           max_samples=a.eval, seed=0, skip_samples=used)}
+    evals = {}
+    for name, d in domains.items():
+        b = make_batches(d.pop("spec"), tok, "lm")
+        evals[name] = b.batches
+        d["eval"] = b.info
+        log(f"{name}: {d['blocks_available']} blocks of {a.seq_len} tokens available, evaluating on "
+            f"{b.info['samples']}")
+
+    def ppl_all(model) -> tuple[dict, float]:
+        t0 = time.perf_counter()
+        out = {}
+        for name, batches in evals.items():
+            e = evaluate(model, batches, "lm", label=f"eval {name}")
+            out[name] = {"loss": e["loss"], "perplexity": e["perplexity"]}
+        return out, time.perf_counter() - t0
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    import transformers
+
+    doc = {"model": MODEL, "dtype": "float32", "command": command,
+           "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                        "transformers": transformers.__version__},  # pydoc's text follows the Python
+           "settings": {"calibrations": calibrations, "fractions": fractions, "merges": merges, "cal": a.cal,
+                        "held": a.held, "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
+                        "scores": "gradient (score_loaded, on the calibration blocks)",
+                        "prune": "prune_loaded: --compensate, --choose-in-layer auto, no held-out check",
+                        "convert": "convert_loaded: --kv-heads 1, one --merge at a time, "
+                                   "--heldout-samples HELD, refit for fit only",
+                        "threads": torch.get_num_threads()},
+           "domains": domains, "order": list(domains), "in_domain": IN_DOMAIN, "calibration": {}, "rows": []}
+
+    def save() -> None:
+        doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+
+    def add(row: dict) -> None:
+        for name, r in row["eval"].items():
+            r["ratio"] = r["perplexity"] / base[name]["perplexity"]
+        doc["rows"].append(row)
+        save()
+        cells = "  ".join(f"{n} {_fmt(r['perplexity'])} ({r['ratio']:.2f}x)" for n, r in row["eval"].items())
+        log(f"{row['change']:<28} cal={row['calibration'] or '-':<20} {cells}  [{row['seconds']} s]")
+
+    t0 = time.perf_counter()
+    base, eval_s = ppl_all(lm.model)
+    add({"change": "none (unpruned)", "kind": "unpruned", "calibration": None, "eval": base,
+         "heads": sum(g.num_heads for g in lm.geometry), "kv_heads": sum(g.num_kv_heads for g in lm.geometry),
+         "eval_seconds": round(eval_s, 1), "seconds": round(time.perf_counter() - t0, 1)})
+
+    for cal_source in calibrations:
+        spec = DataSpec(source=cal_source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
+        # the calibration and held-out blocks, made (and for self: generated and cached) up front so
+        # that generation time is not charged to the first row; the rows read the same blocks again
+        t0 = time.perf_counter()
+        cal_b = make_batches(spec, tok, "plain", model=lm)
+        held_b = make_batches(replace(spec, skip_samples=a.cal, max_samples=a.held), tok, "plain", model=lm)
+        data_s = time.perf_counter() - t0
+        cal_blocks = _block_set(cal_b.batches) | _block_set(held_b.batches)
+        overlap = {name: len(cal_blocks & _block_set(b)) for name, b in evals.items()}
+        if any(overlap.values()):
+            raise SystemExit(f"calibration {cal_source}: evaluation blocks also in calibration: {overlap}")
+        t0 = time.perf_counter()
+        scored = score_loaded(lm, ScoreRequest(model=MODEL, method="gradient", data=spec), text_model=lm)
+        score_s = time.perf_counter() - t0
+        doc["calibration"][cal_source] = {"calibration": cal_b.info, "heldout": held_b.info,
+                                          "data_seconds": round(data_s, 1), "score_seconds": round(score_s, 1),
+                                          "eval_overlap_blocks": overlap}
+        save()
+        log(f"calibration {cal_source}: data {data_s:.1f} s, gradient scores {score_s:.1f} s")
+
+        for fraction in fractions:
+            t0 = time.perf_counter()
+            model = copy.deepcopy(lm.model)
+            plm = model_from_object(model, tok, ref=MODEL)
+            req = PruneRequest(model=MODEL, fraction=fraction, compensate=True, data=spec)
+            done = prune_loaded(plm, req, scores=scored.result.scores, text_model=lm)
+            prune_s = time.perf_counter() - t0
+            ev, eval_s = ppl_all(model)
+            s = done.result.summary()
+            add({"change": f"{fraction:.0%} of query heads removed", "kind": "prune", "fraction": fraction,
+                 "calibration": cal_source, "heads_removed": s["heads_removed"], "compensate": True,
+                 "choose_in_layer": done.result.choice, "eval": ev, "surgery_seconds": round(prune_s, 1),
+                 "eval_seconds": round(eval_s, 1), "seconds": round(time.perf_counter() - t0, 1)})
+            del model, plm, done
+
+        for method in merges:
+            if method in DATA_FREE_MERGES and any(r.get("method") == method for r in doc["rows"]):
+                continue  # needs no data: the same model whatever the calibration
+            t0 = time.perf_counter()
+            req = ConvertRequest(model=MODEL, kv_heads=1, merge=method, data=spec, heldout_samples=a.held)
+            conv = convert_loaded(lm, req, text_model=lm)
+            conv_s = time.perf_counter() - t0
+            ev, eval_s = ppl_all(conv.best.model)
+            after = summary_figures(conv.best.model, lm.adapter)
+            add({"change": f"3 -> 1 KV heads, merge {method}", "kind": "convert", "method": method,
+                 "calibration": None if method in DATA_FREE_MERGES else cal_source, "refit": conv.best.refit,
+                 "heldout_loss": conv.results[0].get("heldout_loss"), "kv_heads_after": 1,
+                 "params_after": after["params"], "eval": ev, "surgery_seconds": round(conv_s, 1),
+                 "eval_seconds": round(eval_s, 1), "seconds": round(time.perf_counter() - t0, 1)})
+            del conv
+    save()
+    print(render(doc))
+
+
+def render(doc: dict) -> str:
+    """The markdown table: perplexity (ratio to the unpruned model) per domain, in-domain last."""
+    names = doc["order"]
+    head = [doc["domains"][n].get("label", n) for n in names]
+    lines = ["| change | calibration | " + " | ".join(head) + " | seconds |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    for r in doc["rows"]:
+        cells = []
+        for n in names:
+            e = r["eval"][n]
+            cells.append(_fmt(e["perplexity"]) if r["kind"] == "unpruned" else
+                         f"{_fmt(e['perplexity'])} ({e['ratio']:.2f}x)")
+        change = r["change"].replace("->", "→")
+        if r["kind"] == "prune":
+            change += f" ({r['heads_removed']}), `--compensate`"
+        elif r["kind"] == "convert" and r.get("refit"):
+            change += " (+ sequential refit)"
+        cal = f"`{r['calibration']}`" if r["calibration"] else "-"
+        lines.append(f"| {change} | {cal} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+    d = doc["domains"]
+    lines += ["", "Evaluation: " + "; ".join(
+        f"{d[n].get('label', n)}: {d[n]['eval']['samples']} of "
+        f"{d[n]['blocks_available']} blocks of {d[n]['eval']['seq_len']} tokens" for n in names) + "."]
+    if doc["calibration"]:
+        lines.append("Once per calibration, not in the rows' seconds (calibration text made or read, gradient "
+                     "scores): " + "; ".join(f"`{c}` {v['data_seconds']:.0f} s + {v['score_seconds']:.0f} s"
+                                             for c, v in doc["calibration"].items()) + ".")
+    lines.append(f"`{doc['command']}`")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
