@@ -17,7 +17,9 @@ seconds / forward seconds. The load average is recorded: on a shared machine it 
     python benchmarks/refit_speed.py --blocks 16 [--heldout 4 --seq-len 128 --batch-size 8]
         [--anchor default|0|grid|0,1,inf] [--steps fit,aligned,compensate] [--threads 1]
 
-writes benchmarks/results/refit_speed.json and prints a table.
+writes benchmarks/results/refit_speed.json and prints a table. results/refit_speed_before.json is
+the same run (--blocks 16) on the code before the anchored refit and the speed work (main at
+5313171), for comparison.
 """
 from __future__ import annotations
 

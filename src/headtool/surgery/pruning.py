@@ -21,12 +21,12 @@ from ..model.info import model_info
 from ..model.placement import require_resident_weights
 from ..model.resize import resize_attention
 from .compensation import (
+    DEFAULT_ANCHOR,
     anchor_candidates,
     o_columns,
     o_proj_matrix,
     refit_table,
     removal_cost,
-    resolve_anchor,
     sequential_refit,
 )
 from .selection import Selection, choose_removal
@@ -111,7 +111,7 @@ def prune(
     choose_in_layer: str = "auto",
     refit_layers: str = "pruned",
     damping: float = 1e-2,
-    anchor: float | Sequence[float] | None = None,
+    anchor: float | Sequence[float] = DEFAULT_ANCHOR,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
     calib_device=None,
@@ -130,8 +130,8 @@ def prune(
     matrix: 0 is the plain damped refit, inf no refit; several values are candidates chosen
     per layer on `heldout_batches` (which may come from another source than the calibration;
     without them, on the calibration batches). A layer keeps its refit only where it lowers
-    that error. The default (None) chooses from compensation.ANCHOR_GRID when there are
-    `heldout_batches`, else is 0. Heads are chosen ('refit') for the weakest finite candidate.
+    that error. The default, compensation.DEFAULT_ANCHOR (1), held up best on text the
+    calibration never saw. Heads are chosen ('refit') for the weakest finite candidate.
     """
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
@@ -141,7 +141,6 @@ def prune(
         raise UsageError("--compensate needs calibration data (--data)")
     if damping <= 0:
         raise UsageError(f"--damping must be positive (got {damping})")
-    anchor = resolve_anchor(anchor, bool(heldout_batches))
     candidates = anchor_candidates(anchor)
     cost_anchor = min(candidates)  # inf only when no refit is a candidate
     t0 = time.perf_counter()
