@@ -29,7 +29,7 @@ def _run(*args):
 def test_prune_chooses_each_refit_on_the_other_source(setup, tmp_path):
     _, src, other = setup
     r = _run("prune", src, *COMMON, "--fraction", 0.25, "--compensate", "--heldout-data", other,
-             "-o", tmp_path / "out", "--json")
+             "--anchor", "auto", "-o", tmp_path / "out", "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["options"]["heldout_data"] == str(other) and doc["options"]["anchor"] == "auto"
@@ -82,3 +82,14 @@ def test_a_bad_anchor_is_one_line(setup, tmp_path, value):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--anchor" in errors[0], r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_cli_default_anchor_is_the_library_default():
+    import math
+
+    from headtool.surgery.compensation import ANCHOR_GRID, DEFAULT_ANCHOR
+    from headtool.workflows.requests import ANCHOR_GRID as CLI_GRID
+    from headtool.workflows.requests import ConvertRequest, PruneRequest, parse_anchor
+
+    assert parse_anchor(PruneRequest("m").anchor) == parse_anchor(ConvertRequest("m", 1).anchor) == DEFAULT_ANCHOR
+    assert CLI_GRID == ANCHOR_GRID and math.isinf(parse_anchor("auto")[-1])

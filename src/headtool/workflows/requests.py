@@ -29,10 +29,12 @@ GROUPINGS = ("contiguous", "similarity")
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
 CALIBRATION_BLOCKS = 64
 
-ANCHOR_HELP = ("auto (per layer: the strength among 0, 0.01, 0.1, 1, 10 and inf with the least error on the "
-               "held-out blocks; 0 without held-out blocks) | a number (0: the plain refit, inf: no refit) | a comma "
-               "list of candidates. Pulls the refit toward the weights without a refit; relative to the mean "
-               "diagonal of the Gram matrix")
+ANCHOR_HELP = ("how hard each refit is pulled toward the weights without a refit, relative to the mean diagonal "
+               "of the Gram matrix: a number (0: the plain least-squares refit, inf: no refit; 1 held up best on "
+               "text the calibration never saw) | a comma list of candidates, or auto (0, 0.01, 0.1, 1, 10, "
+               "inf), chosen per layer on the held-out blocks")
+#: the candidates of --anchor auto (tests check them against surgery.compensation.ANCHOR_GRID)
+ANCHOR_GRID = (0.0, 0.01, 0.1, 1.0, 10.0, float("inf"))
 HELDOUT_DATA_HELP = ("held-out data of ANOTHER source on which each layer's refit and the merge are chosen "
                      "(what generalizes beyond --data); default: the blocks of --data after the calibration")
 METHOD_HELP = ("gradient (default, Michel et al.) | ablation (exact loss increase) | taylor (TextPruner) | "
@@ -45,12 +47,12 @@ _SEQ = "a whole-recipe key: `sequential: true` at the top of the recipe"
 _WRITE_ONCE = "a recipe writes its final model once: output, overwrite and shard_size are top-level keys"
 
 
-def parse_anchor(text: str) -> float | tuple[float, ...] | None:
-    """--anchor: None for auto (the library chooses), a number, or a tuple of candidates."""
+def parse_anchor(text: str) -> float | tuple[float, ...]:
+    """--anchor: a number, or a tuple of candidates chosen per layer (auto: ANCHOR_GRID)."""
     from ..errors import UsageError
 
     if str(text).strip() == "auto":
-        return None
+        return ANCHOR_GRID
     try:
         values = tuple(float(x) for x in str(text).split(",") if x.strip())
     except ValueError:
@@ -145,7 +147,7 @@ class PruneRequest:
                                "drift)", choices=("pruned", "all"), panel=_C)
     damping: float = option(1e-2, "ridge damping, relative to the mean diagonal of the Gram matrix", min=0,
                             panel=_C)
-    anchor: str = option("auto", ANCHOR_HELP, panel=_C)
+    anchor: str = option("1", ANCHOR_HELP, panel=_C)
     heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
                                   "none); 0: no check, unless --heldout-data (then a quarter of the calibration)",
                                   min=0, panel=_C)
@@ -187,7 +189,7 @@ class ConvertRequest:
     refit: bool | None = option(None, "sequential output-projection refit (default: on for fit)",
                                 flags=("--refit/--no-refit",))
     damping: float = option(1e-2, "ridge damping of the refit, relative", min=0)
-    anchor: str = option("auto", ANCHOR_HELP)
+    anchor: str = option("1", ANCHOR_HELP)
     heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) and the "
                                          "merge are chosen (default: a quarter of the calibration)", min=0)
     heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
