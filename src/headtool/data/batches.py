@@ -326,10 +326,14 @@ def _lm_batches(spec: DataSpec, tokenizer: Any, task: str) -> Batches:
         available_samples=read.n_blocks,
         corpus_fully_read=read.exhausted,
         text_column=read.loaded.text_column,
-        separator_token_id=_separator_id(tokenizer),
-        encoder_wrapped=bool(wrap),
-        fingerprint=_fingerprint(batches),
     )
+    return _finished(batches, info, tokenizer, wrap, cap)
+
+
+def _finished(batches: list[dict[str, torch.Tensor]], info: dict, tokenizer: Any, wrap, cap: int | None) -> Batches:
+    """The Batches of token blocks, their info closed with what every kind of block records."""
+    info.update(separator_token_id=_separator_id(tokenizer), encoder_wrapped=bool(wrap),
+                fingerprint=_fingerprint(batches))
     if cap is not None:
         info["requested_samples"] = cap
     return Batches(batches, info)
@@ -518,14 +522,7 @@ def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, t
         info["selection"] = "sequential"
         info["available_samples"] = p.self_n
         info["generation"] = p.info.get("generation")
-    info.update(
-        separator_token_id=_separator_id(tokenizer),
-        encoder_wrapped=bool(wrap),
-        fingerprint=_fingerprint(batches),
-    )
-    if cap is not None:
-        info["requested_samples"] = cap
-    return Batches(batches, info)
+    return _finished(batches, info, tokenizer, wrap, cap)
 
 
 def _weight_json(w: Fraction) -> int | float:

@@ -22,17 +22,24 @@ def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec |
     return replace(spec, max_samples=blocks)
 
 
+def _as_given(block: DataSpec, spec: DataSpec | None, blocks: int, used: int) -> DataSpec:
+    """A recipe's own held-out or evaluation block: `blocks` blocks unless it says how many, and
+    after the `used` calibration blocks when it reads the calibration source and says not where."""
+    if block.max_samples is None and block.num_tokens is None:
+        block = replace(block, max_samples=blocks)
+    if spec is not None and block.source == spec.source and block.skip_samples == 0:
+        block = replace(block, skip_samples=used)
+    return block
+
+
 def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: int, used: int
               ) -> tuple[DataSpec, int]:
     """The evaluation data of prune and convert-gqa, and the blocks it skips: a DataSpec as given
     (a recipe's eval_data block; `eval_samples` blocks unless it says), or a source cut like the
     calibration data, after the `used` calibration and held-out blocks when it is the same source."""
     if isinstance(eval_data, DataSpec):
-        if eval_data.max_samples is None and eval_data.num_tokens is None:
-            eval_data = replace(eval_data, max_samples=eval_samples)
-        if spec is not None and eval_data.source == spec.source and eval_data.skip_samples == 0:
-            eval_data = replace(eval_data, skip_samples=used)  # after calibration, unless it says where
-        return eval_data, eval_data.skip_samples
+        given = _as_given(eval_data, spec, eval_samples, used)
+        return given, given.skip_samples
     same = spec is not None and eval_data == spec.source
     if same and spec.max_samples is None:
         raise UsageError("--eval-data is the same source as --data: give --max-samples so the evaluation "
@@ -51,11 +58,7 @@ def heldout_spec(spec: DataSpec, heldout_data: str | DataSpec | None, blocks: in
     DataSpec as given, or a source cut like the calibration), else of --data after the `used`
     calibration blocks."""
     if isinstance(heldout_data, DataSpec):
-        if heldout_data.max_samples is None and heldout_data.num_tokens is None:
-            heldout_data = replace(heldout_data, max_samples=blocks)
-        if heldout_data.source == spec.source and heldout_data.skip_samples == 0:
-            heldout_data = replace(heldout_data, skip_samples=used)  # after calibration, unless it says where
-        return heldout_data
+        return _as_given(heldout_data, spec, blocks, used)
     if heldout_data is None or heldout_data == spec.source:
         return replace(spec, skip_samples=used, max_samples=blocks, num_tokens=None)
     return replace(spec, source=heldout_data, split=None, text_column=None, label_column=None,

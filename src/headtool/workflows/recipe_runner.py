@@ -58,14 +58,15 @@ def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
     name = step["step"]
     cls, nested = STEP_REQUESTS[name]
     own = step_options(name)
+    nested_keys = {field_name: {o.name for o in options_of(c)} for field_name, c in nested.items()}
+    inner = set().union(*nested_keys.values())
     kwargs: dict[str, Any] = {}
     for key, value in step.items():
-        if key in own and not any(key in {o.name for o in options_of(c)} for c in nested.values()):
+        if key in own and key not in inner:
             kwargs[key] = ",".join(map(str, value)) if isinstance(value, list) else value
     data = DataSpec(**(step_data(recipe, step) or {}))
-    for field_name, c in nested.items():
-        keys = {o.name for o in options_of(c)}
-        kwargs[field_name] = c(**{k: v for k, v in step.items() if k in keys}, seed=data.seed)
+    for field_name, keys in nested_keys.items():
+        kwargs[field_name] = nested[field_name](**{k: v for k, v in step.items() if k in keys}, seed=data.seed)
     for key, opt in own.items():  # eval_data, heldout_data: a data block (over the recipe's) or a source
         if isinstance(step.get(key), dict) and isinstance(opt.type, tuple) and DataSpec in opt.type:
             block = {k: v for k, v in step_data(recipe, step, key).items() if k not in CUT_KEYS or k in step[key]}
