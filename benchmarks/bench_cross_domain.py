@@ -57,7 +57,6 @@ import copy
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import sysconfig
@@ -71,7 +70,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: shared cores
 
 from headtool.data.batches import make_batches
-from headtool.data.sources import DataSpec
+from headtool.data.sources import DataSpec, licence_texts
 from headtool.measure.evaluation import evaluate
 from headtool.model.loading import load_model, model_from_object
 from headtool.model.refs import cache_dir
@@ -149,42 +148,19 @@ def news_text(folder: Path) -> tuple[Path, dict]:
     return path, meta
 
 
-def _licence_files(site: Path) -> list[Path]:
-    out = []
-    for dist in sorted(site.glob("*.dist-info")):
-        for p in sorted(dist.rglob("*")):
-            if not p.is_file():
-                continue
-            rel = p.relative_to(dist)
-            if (p.name.upper().startswith(("LICENSE", "LICENCE", "COPYING"))
-                    or "licenses" in rel.parts[:-1] or "licences" in rel.parts[:-1]):
-                out.append(p)
-    return out
-
-
 def legal_text(folder: Path) -> tuple[Path, dict]:
-    """The licence texts of the installed packages, deduplicated, sorted by path, joined."""
-    site = Path(sysconfig.get_paths()["purelib"])
-    files = _licence_files(site)
-    seen: set[str] = set()
-    kept: list[tuple[str, str]] = []
-    for p in sorted(files, key=lambda q: str(q.relative_to(site))):
-        text = _decode(p.read_bytes()).replace("\r\n", "\n").strip()
-        key = hashlib.sha256(re.sub(r"\s+", " ", text).encode()).hexdigest()
-        if not text or key in seen:
-            continue
-        seen.add(key)
-        kept.append((str(p.relative_to(site)), text))
-    joined = "\n\n".join(t for _, t in kept) + "\n"
+    """The licence texts of the installed packages (`builtin:licenses`), written out for its sha256."""
+    texts = licence_texts()
+    joined = "\n\n".join(t for _, t in texts) + "\n"
     path = folder / LEGAL_FILE
     if not path.exists() or path.read_text(encoding="utf-8") != joined:
         _write_atomic(path, joined)
     meta = {"name": "legal", "label": "legal (package licences)",
-            "what": "licence texts of the installed Python packages (*.dist-info LICENSE*, COPYING*, "
-                    "licenses/*), deduplicated by whitespace-normalised content, sorted by path",
-            "origin": f"{site} (each text under its own package's licence; the text is not committed)",
-            "files_found": len(files), "files_kept": len(kept),
-            "packages": sorted({rel.split("/")[0] for rel, _ in kept})}
+            "what": "builtin:licenses: the licence texts of the installed Python packages (*.dist-info LICENSE*, "
+                    "COPYING*, licenses/*), deduplicated by whitespace-normalised content, sorted by path",
+            "origin": f"{sysconfig.get_paths()['purelib']} (each text under its own package's licence; "
+                      "the text is not committed)",
+            "data_source": "builtin:licenses", "files_kept": len(texts), "packages": sorted({rel.split("/")[0] for rel, _ in texts})}
     return path, meta
 
 
@@ -208,7 +184,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrations", default=",".join(CALIBRATIONS),
                     help="comma list of calibration --data sources (mixtures allowed)")
-    ap.add_argument("--fractions", default="0.25,0.5", help="fractions of query heads removed (with --compensate)")
+    ap.add_argument("--fractions", default="0.1,0.25,0.5", help="fractions of query heads removed")
+    ap.add_argument("--scores", default="gradient", help="comma list of score methods for the prune rows")
+    ap.add_argument("--ablation-for", default="",
+                    help="comma list of calibrations that also get ablation-scored prune rows (ablation scores "
+                         "cost a pass per head: about 15 minutes on 2 cores at 32 blocks)")
+    ap.add_argument("--ablation-blocks", type=int, default=0,
+                    help="calibration blocks the ablation scores read (0: --cal)")
+    ap.add_argument("--compensate", default="on,off", help="prune rows with --compensate (on), without (off), both")
+    ap.add_argument("--anchors", default="1",
+                    help="comma list of --anchor values for the refits (--compensate and fit); one row each")
+    ap.add_argument("--auto-heldout", default="",
+                    help="CAL=HELD pairs (comma list): for calibration CAL also a row with --anchor auto chosen on "
+                         "--heldout-data HELD (25%% prune and fit), e.g. builtin:pydoc=self")
     ap.add_argument("--merges", default=",".join(MERGES), help="3 -> 1 KV merge methods, one row each")
     ap.add_argument("--cal", type=int, default=32, help="calibration / scoring blocks")
     ap.add_argument("--held", type=int, default=8, help="held-out blocks after them (fit's refit checks)")
@@ -221,6 +209,11 @@ def main() -> None:
     calibrations = [c.strip() for c in a.calibrations.split(",") if c.strip()]
     fractions = [float(f) for f in a.fractions.split(",") if f]
     merges = [m.strip() for m in a.merges.split(",") if m.strip()]
+    scores = [m.strip() for m in a.scores.split(",") if m.strip()]
+    ablation_for = [c.strip() for c in a.ablation_for.split(",") if c.strip()]
+    compensations = [{"on": True, "off": False}[c.strip()] for c in a.compensate.split(",") if c.strip()]
+    anchors = [x.strip() for x in a.anchors.split(",") if x.strip()]
+    auto_heldout = dict(pair.split("=", 1) for pair in a.auto_heldout.split(",") if pair.strip())
     bad = [m for m in merges if m not in MERGES]
     if bad:
         ap.error(f"--merges: unknown {', '.join(bad)}; use {', '.join(MERGES)}")
@@ -241,12 +234,13 @@ def main() -> None:
     used = a.cal + a.held
     domains: dict[str, dict] = {}
     for path, meta in ((news_path, news_meta), (legal_path, legal_meta)):
-        n = count_blocks(str(path), tok, a.seq_len)
+        source = meta.pop("data_source", str(path))
+        n = count_blocks(source, tok, a.seq_len)
         if n < max(a.min_blocks, a.eval):
             raise SystemExit(f"{meta['name']}: {path} gives {n} blocks of {a.seq_len} tokens, fewer than "
                              f"{max(a.min_blocks, a.eval)}")
-        spec = DataSpec(source=str(path), seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.eval, seed=0)
-        domains[meta["name"]] = {**meta, "source": str(path), "sha256": _sha256(path),
+        spec = DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.eval, seed=0)
+        domains[meta["name"]] = {**meta, "source": source, "sha256": _sha256(path),
                                  "bytes": path.stat().st_size, "blocks_available": n, "spec": spec}
     n_pydoc = count_blocks("builtin:pydoc", tok, a.seq_len)
     if n_pydoc - used < a.eval:
@@ -284,10 +278,13 @@ def main() -> None:
                         "transformers": transformers.__version__},  # pydoc's text follows the Python
            "settings": {"calibrations": calibrations, "fractions": fractions, "merges": merges, "cal": a.cal,
                         "held": a.held, "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
-                        "scores": "gradient (score_loaded, on the calibration blocks)",
-                        "prune": "prune_loaded: --compensate, --choose-in-layer auto, no held-out check",
+                        "scores": scores, "ablation_for": ablation_for, "ablation_blocks": a.ablation_blocks,
+                        "compensate": compensations, "anchors": anchors, "auto_heldout": auto_heldout,
+                        "prune": "prune_loaded (scores from score_loaded on the calibration blocks): with and "
+                                 "without --compensate (--choose-in-layer auto, no held-out check unless "
+                                 "--heldout-data)",
                         "convert": "convert_loaded: --kv-heads 1, one --merge at a time, "
-                                   "--heldout-samples HELD, refit for fit only",
+                                   "--heldout-samples HELD, refit for fit only (--anchor per row)",
                         "threads": torch.get_num_threads()},
            "domains": domains, "order": list(domains), "in_domain": IN_DOMAIN, "calibration": {}, "rows": []}
 
@@ -321,45 +318,70 @@ def main() -> None:
         overlap = {name: len(cal_blocks & _block_set(b)) for name, b in evals.items()}
         if any(overlap.values()):
             raise SystemExit(f"calibration {cal_source}: evaluation blocks also in calibration: {overlap}")
-        t0 = time.perf_counter()
-        scored = score_loaded(lm, ScoreRequest(model=MODEL, method="gradient", data=spec), text_model=lm)
-        score_s = time.perf_counter() - t0
-        doc["calibration"][cal_source] = {"calibration": cal_b.info, "heldout": held_b.info,
-                                          "data_seconds": round(data_s, 1), "score_seconds": round(score_s, 1),
-                                          "eval_overlap_blocks": overlap}
-        save()
-        log(f"calibration {cal_source}: data {data_s:.1f} s, gradient scores {score_s:.1f} s")
+        record = {"calibration": cal_b.info, "heldout": held_b.info, "data_seconds": round(data_s, 1),
+                  "score_seconds": {}, "eval_overlap_blocks": overlap}
+        doc["calibration"][cal_source] = record
+        methods = scores + (["ablation"] if cal_source in ablation_for and "ablation" not in scores else [])
+        scored = {}
+        for method in methods:
+            t0 = time.perf_counter()
+            sspec = replace(spec, max_samples=a.ablation_blocks) if method == "ablation" and a.ablation_blocks else spec
+            scored[method] = score_loaded(lm, ScoreRequest(model=MODEL, method=method, data=sspec), text_model=lm)
+            record["score_seconds"][method] = round(time.perf_counter() - t0, 1)
+            save()
+            log(f"calibration {cal_source}: data {data_s:.1f} s, {method} scores {record['score_seconds'][method]} s")
 
-        for fraction in fractions:
+        def prune_row(fraction: float, method: str, compensate: bool, anchor: str,
+                      heldout: str | None = None) -> None:
             t0 = time.perf_counter()
             model = copy.deepcopy(lm.model)
             plm = model_from_object(model, tok, ref=MODEL)
-            req = PruneRequest(model=MODEL, fraction=fraction, compensate=True, data=spec)
-            done = prune_loaded(plm, req, scores=scored.result.scores, text_model=lm)
+            extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
+                                              max_samples=a.held, seed=0)} if heldout else {}
+            req = PruneRequest(model=MODEL, fraction=fraction, compensate=compensate, data=spec, anchor=anchor,
+                               **extra)
+            done = prune_loaded(plm, req, scores=scored[method].result.scores, text_model=lm)
             prune_s = time.perf_counter() - t0
             ev, eval_s = ppl_all(model)
             s = done.result.summary()
             add({"change": f"{fraction:.0%} of query heads removed", "kind": "prune", "fraction": fraction,
-                 "calibration": cal_source, "heads_removed": s["heads_removed"], "compensate": True,
-                 "choose_in_layer": done.result.choice, "eval": ev, "surgery_seconds": round(prune_s, 1),
-                 "eval_seconds": round(eval_s, 1), "seconds": round(time.perf_counter() - t0, 1)})
-            del model, plm, done
+                 "calibration": cal_source, "scores": method, "heads_removed": s["heads_removed"],
+                 "compensate": compensate, "anchor": anchor if compensate else None, "heldout_data": heldout,
+                 "choose_in_layer": done.result.choice if compensate else None, "eval": ev,
+                 "surgery_seconds": round(prune_s, 1), "eval_seconds": round(eval_s, 1),
+                 "seconds": round(time.perf_counter() - t0, 1)})
 
-        for method in merges:
-            if method in DATA_FREE_MERGES and any(r.get("method") == method for r in doc["rows"]):
-                continue  # needs no data: the same model whatever the calibration
+        def convert_row(method: str, anchor: str, heldout: str | None = None) -> None:
             t0 = time.perf_counter()
-            req = ConvertRequest(model=MODEL, kv_heads=1, merge=method, data=spec, heldout_samples=a.held)
+            extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
+                                              max_samples=a.held, seed=0)} if heldout else {}
+            req = ConvertRequest(model=MODEL, kv_heads=1, merge=method, data=spec, heldout_samples=a.held,
+                                 anchor=anchor, **extra)
             conv = convert_loaded(lm, req, text_model=lm)
             conv_s = time.perf_counter() - t0
             ev, eval_s = ppl_all(conv.best.model)
             after = summary_figures(conv.best.model, lm.adapter)
             add({"change": f"3 -> 1 KV heads, merge {method}", "kind": "convert", "method": method,
-                 "calibration": None if method in DATA_FREE_MERGES else cal_source, "refit": conv.best.refit,
+                 "calibration": None if method in DATA_FREE_MERGES else cal_source,
+                 "anchor": anchor if method == "fit" else None, "heldout_data": heldout, "refit": conv.best.refit,
                  "heldout_loss": conv.results[0].get("heldout_loss"), "kv_heads_after": 1,
                  "params_after": after["params"], "eval": ev, "surgery_seconds": round(conv_s, 1),
                  "eval_seconds": round(eval_s, 1), "seconds": round(time.perf_counter() - t0, 1)})
-            del conv
+
+        for fraction in fractions:
+            for method in methods:
+                for compensate in compensations:
+                    for anchor in (anchors if compensate else anchors[:1]):
+                        prune_row(fraction, method, compensate, anchor)
+        for method in merges:
+            if method in DATA_FREE_MERGES and any(r.get("method") == method for r in doc["rows"]):
+                continue  # needs no data: the same model whatever the calibration
+            for anchor in (anchors if method == "fit" else anchors[:1]):
+                convert_row(method, anchor)
+        if cal_source in auto_heldout:
+            held_source = auto_heldout[cal_source]
+            prune_row(0.25, scores[0], True, "auto", held_source)
+            convert_row("fit", "auto", held_source)
     save()
     print(render(doc))
 
@@ -378,9 +400,12 @@ def render(doc: dict) -> str:
                          f"{_fmt(e['perplexity'])} ({e['ratio']:.2f}x)")
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
-            change += f" ({r['heads_removed']}), `--compensate`"
+            change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
+            change += f", `--compensate --anchor {r.get('anchor') or 0}`" if r.get("compensate") else ", no refit"
         elif r["kind"] == "convert" and r.get("refit"):
-            change += " (+ sequential refit)"
+            change += f" + refit `--anchor {r.get('anchor') or 0}`"
+        if r.get("heldout_data"):
+            change += f" `--heldout-data {r['heldout_data']}`"
         cal = f"`{r['calibration']}`" if r["calibration"] else "-"
         lines.append(f"| {change} | {cal} | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
     d = doc["domains"]
@@ -388,9 +413,12 @@ def render(doc: dict) -> str:
         f"{d[n].get('label', n)}: {d[n]['eval']['samples']} of "
         f"{d[n]['blocks_available']} blocks of {d[n]['eval']['seq_len']} tokens" for n in names) + "."]
     if doc["calibration"]:
-        lines.append("Once per calibration, not in the rows' seconds (calibration text made or read, gradient "
-                     "scores): " + "; ".join(f"`{c}` {v['data_seconds']:.0f} s + {v['score_seconds']:.0f} s"
-                                             for c, v in doc["calibration"].items()) + ".")
+        def once(v: dict) -> str:
+            sc = v["score_seconds"]
+            sc = sc if isinstance(sc, dict) else {"gradient": sc}
+            return f"{v['data_seconds']:.0f} s + " + " + ".join(f"{m} {t:.0f} s" for m, t in sc.items())
+        lines.append("Once per calibration, not in the rows' seconds (calibration text made or read, scores): "
+                     + "; ".join(f"`{c}` {once(v)}" for c, v in doc["calibration"].items()) + ".")
     lines.append(f"`{doc['command']}`")
     return "\n".join(lines)
 

@@ -200,6 +200,35 @@ def test_stdin_terminal_is_refused(monkeypatch):
         load_texts(DataSpec(source="-"))
 
 
+def test_licence_texts_found_deduplicated_and_in_path_order(tmp_path):
+    """builtin:licenses reads every licence file of the *.dist-info folders (LICENSE*, LICENCE*,
+    COPYING*, anything under licenses/), drops texts equal up to whitespace, decodes latin-1."""
+    from headtool.data.sources import licence_texts
+
+    files = {"b-1.0.dist-info/LICENSE": b"MIT License\r\n\r\nPermission is hereby granted",
+             "a-2.0.dist-info/licenses/NOTICE": b"Apache  License\n Version 2.0",
+             "c-1.0.dist-info/LICENSE.txt": b"MIT License\n\nPermission   is hereby granted\n",  # a duplicate
+             "d-1.0.dist-info/COPYING": "Copyright \u00e9cole".encode("latin-1"),
+             "d-1.0.dist-info/METADATA": b"Name: d", "e/LICENSE": b"not a dist-info"}
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    got = licence_texts(tmp_path)
+    assert [rel for rel, _ in got] == ["a-2.0.dist-info/licenses/NOTICE", "b-1.0.dist-info/LICENSE",
+                                      "d-1.0.dist-info/COPYING"]
+    assert got[1][1] == "MIT License\n\nPermission is hereby granted" and got[2][1] == "Copyright \u00e9cole"
+
+
+def test_builtin_licenses_is_another_domain_on_every_install(bert):
+    """The installed packages' licence texts: enough blocks for an evaluation, the same blocks on
+    every call, and provenance that names how many texts were read."""
+    b = make_batches(DataSpec(source="builtin:licenses", max_samples=32, seq_len=64, batch_size=8), bert, "lm")
+    b2 = make_batches(DataSpec(source="builtin:licenses", max_samples=32, seq_len=64, batch_size=8), bert, "lm")
+    assert b.info["samples"] == 32 and b.info["available_samples"] > 200
+    assert "licence texts of the installed packages" in b.info["source_version"]
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(b, b2) for k in x)
+
+
 def test_builtin_pydoc_fast_and_deterministic(bert):
     from pydoc_data.topics import topics
 

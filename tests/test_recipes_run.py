@@ -152,3 +152,23 @@ def test_offloaded_recipe_scores_and_evaluates_but_refuses_rewrites(tiny_folders
     assert res.exit_code == 2
     assert "use sequential: true" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_folders, tmp_path):
+    """Issue 18: the demo says which text it was calibrated on and reports the perplexity on a
+    domain no step saw (builtin:licenses) before the flattering in-domain figure."""
+    from headtool.cli.commands.demo import quality_lines
+
+    recipe = next(p for p in RECIPES if p.stem == "demo")
+    res = runner.invoke(app, ["run", str(recipe), "--set", f"model={tiny_folders['decoder']}",
+                              "--set", "data.max_samples=4", "--set", "data.seq_len=16", "--set", "steps.3.data.max_samples=4",
+                              "--set", "steps.4.data.max_samples=4", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    data = {r["step"]: r.get("data") for r in summary["steps"][1:4]}
+    assert data == {"score": "builtin:pydoc+self", "prune": "builtin:pydoc+self", "convert_gqa": "builtin:pydoc+self"}
+    lines = quality_lines(summary)
+    assert lines[0] == "calibrated on builtin:pydoc+self"
+    assert lines[1].startswith("perplexity on builtin:licenses, a domain no step saw: ")
+    assert lines[2].startswith("perplexity on builtin:pydoc, held-out blocks of the calibration's kind (flatters): ")
+    assert "data" in res.stderr  # the summary table's column

@@ -104,4 +104,7 @@ def test_the_demo_description_says_what_its_steps_do():
         elif name == "convert_gqa":
             assert f"to {step['kv_heads']} KV head" in part and f"({step['merge']})" in part, part
         elif name == "eval":
-            assert ("held-out" in part) == bool((step.get("data") or {}).get("skip_samples")), part
+            data = step.get("data") or {}
+            assert ("held-out" in part) == bool(data.get("skip_samples")), part
+            assert data.get("source", recipe.values["data"]["source"]) in part, part
+    assert f"calibrated on {recipe.values['data']['source']}" in parts[-1]

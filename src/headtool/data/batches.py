@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import math
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -27,7 +26,7 @@ import torch
 
 from ..errors import UsageError
 from .selfgen import DEFAULT_SELF_SAMPLES, self_blocks
-from .sources import DataSpec, SourcePart, load_source, parse_sources, self_source
+from .sources import DataSpec, SourcePart, builtin_version, load_source, parse_sources, self_source
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +236,7 @@ def _mask_tokens(ids: torch.Tensor, tokenizer: Any, seed: int) -> tuple[torch.Te
 def _base_info(spec: DataSpec, task: str, split: str | None) -> dict:
     info: dict = {"source": spec.source, "split": split, "seq_len": spec.seq_len, "seed": spec.seed, "task": task}
     if spec.source.startswith("builtin:"):
-        info["source_version"] = "python " + ".".join(map(str, sys.version_info[:3]))
+        info["source_version"] = builtin_version(spec.source)
     return info
 
 
@@ -477,7 +476,7 @@ def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, t
                   "available_samples": p.read.n_blocks, "corpus_fully_read": p.read.exhausted,
                   "selection": selection}
         if p.source.startswith("builtin:"):
-            p.info["source_version"] = "python " + ".".join(map(str, sys.version_info[:3]))
+            p.info["source_version"] = builtin_version(p.source)
 
     rows: list[torch.Tensor] = []
     used = [0] * len(parts)

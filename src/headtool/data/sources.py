@@ -8,7 +8,9 @@ give byte-identical batches (scores are reproducible only if their data is).
 Sources (``DataSpec.source``): a local ``.txt``, ``.jsonl``, ``.json``, ``.csv``,
 ``.tsv`` or ``.parquet`` file, a folder written by ``datasets.save_to_disk``, ``-``
 (text on stdin), ``builtin:pydoc`` (the help texts that ship inside every Python:
-the default calibration corpus, nothing to download), a hub dataset
+the default calibration corpus, nothing to download), ``builtin:licenses`` (the licence texts
+of the installed Python packages: English legal prose, another domain than pydoc that is on
+every machine headtool runs on, for out-of-domain evaluation), a hub dataset
 ``name[:config]``, or ``self`` / ``self:N``: text sampled from the model being compressed
 (self-calibration, ``selfgen``; N blocks, default as many as --max-samples / --num-tokens
 ask for, else 128, in a mixture too), which ``make_batches`` makes only when it is given
@@ -59,12 +61,14 @@ __all__ = [
     "self_source",
     "SUPPORTED_SUFFIXES",
     "BUILTIN_SOURCES",
+    "builtin_version",
+    "licence_texts",
 ]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")
-BUILTIN_SOURCES = ("builtin:pydoc",)
+BUILTIN_SOURCES = ("builtin:pydoc", "builtin:licenses")
 
 #: Column names taken as the text column without asking (first match wins).
 TEXT_COLUMN_NAMES = (
@@ -80,7 +84,8 @@ TEXT_COLUMN_NAMES = (
 )
 
 SOURCE_HELP = ("text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk folder, hub name[:config], "
-               "'-' for stdin, builtin:pydoc, self or self:N (text sampled from the model itself), or a "
+               "'-' for stdin, builtin:pydoc, builtin:licenses, self or self:N (text sampled from the model "
+               "itself), or a "
                "weighted mixture SOURCE*W+SOURCE*W, e.g. builtin:pydoc+self")
 _PANEL = "Data"
 
@@ -502,6 +507,69 @@ def _pydoc_texts() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
+def licence_files(site: Path) -> list[Path]:
+    """The licence files of the packages installed in `site` (a site-packages folder).
+
+    Every ``LICENSE*``, ``LICENCE*`` and ``COPYING*`` file and everything under a ``licenses/``
+    (or ``licences/``) folder of a ``*.dist-info`` folder, in path order.
+    """
+    out = []
+    for dist in sorted(site.glob("*.dist-info")):
+        for p in sorted(dist.rglob("*")):
+            rel = p.relative_to(dist)
+            if p.is_file() and (p.name.upper().startswith(("LICENSE", "LICENCE", "COPYING"))
+                                or "licenses" in rel.parts[:-1] or "licences" in rel.parts[:-1]):
+                out.append(p)
+    return out
+
+
+def licence_texts(site: Path | None = None) -> list[tuple[str, str]]:
+    """(path under site-packages, text) of every distinct installed licence text, sorted by path.
+
+    Texts are deduplicated by whitespace-normalised content (most MIT or Apache texts differ only
+    in their copyright line or not at all). The set depends on the installed packages, so
+    ``make_batches`` records how many texts it read; torch, transformers and their dependencies
+    alone give well over a hundred.
+    """
+    import hashlib
+    import sysconfig
+
+    site = site or Path(sysconfig.get_paths()["purelib"])
+    seen: set[str] = set()
+    kept: list[tuple[str, str]] = []
+    for p in sorted(licence_files(site), key=lambda q: str(q.relative_to(site))):
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("latin-1")
+        text = text.replace("\r\n", "\n").strip()
+        key = hashlib.sha256(re.sub(r"\s+", " ", text).encode()).hexdigest()
+        if text and key not in seen:
+            seen.add(key)
+            kept.append((str(p.relative_to(site)), text))
+    return kept
+
+
+def _licence_table_texts() -> list[str]:
+    texts = [t for _, t in licence_texts()]
+    if not texts:  # pragma: no cover - a Python with no packages cannot run headtool
+        raise UsageError("builtin:licenses: no licence texts found among the installed packages; use another --data")
+    return texts
+
+
+def builtin_version(source: str) -> str:
+    """What a builtin source's text depends on, for the batches' provenance."""
+    python = "python " + ".".join(map(str, sys.version_info[:3]))
+    if source != "builtin:licenses":
+        return python
+    import hashlib
+
+    texts = licence_texts()
+    digest = hashlib.sha256("\n\n".join(t for _, t in texts).encode()).hexdigest()[:16]
+    return f"{len(texts)} licence texts of the installed packages (sha256 {digest}), {python}"
+
+
 def _looks_like_path(source: str) -> bool:
     """Heuristic: a reference that can only be meant as a local file (vs. a hub id)."""
     if source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1:
@@ -524,6 +592,8 @@ def _open_table(spec: DataSpec) -> _Table:
     if source.startswith("builtin:"):
         if source == "builtin:pydoc":
             return _texts_table(_pydoc_texts())
+        if source == "builtin:licenses":
+            return _texts_table(_licence_table_texts())
         raise UsageError(f"unknown builtin data '{source}'; available: {', '.join(BUILTIN_SOURCES)}")
     path = Path(source).expanduser()
     if path.exists():

@@ -109,8 +109,11 @@ def step_score(ctx: Context, step: dict) -> dict[str, Any]:
     ctx.scores = run.result.scores
     if req.output:
         write_document(build_document(ctx.lm, run.result, run.batches_info), req.output)
-    return {"method": run.result.estimator, "objective": run.objective, "baseline_loss": run.result.baseline_loss,
-            "heads": sum(g.num_heads for g in ctx.lm.geometry)}
+    out = {"method": run.result.estimator, "objective": run.objective, "baseline_loss": run.result.baseline_loss,
+           "heads": sum(g.num_heads for g in ctx.lm.geometry)}
+    if run.batches_info:
+        out["data"] = req.data.source
+    return out
 
 
 def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
@@ -123,6 +126,7 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
     out = {"heads_removed": result.summary()["heads_removed"]}
     if result.compensation:
         out["refits_kept"] = sum(bool(c["kept"]) for c in result.compensation)
+        out["data"] = req.data.source
     if result.eval_after:
         out["loss_before"], out["loss_after"] = result.eval_before["loss"], result.eval_after["loss"]
     return out
@@ -135,6 +139,8 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     ctx.meta.setdefault("kv_groups", [[list(g) for g in p.groups] for p in done.best.plans])
     out: dict[str, Any] = {"merge": done.best.method,
                            "heldout_loss": {r["method"]: r.get("heldout_loss") for r in done.results}}
+    if done.calibration is not None:
+        out["data"] = req.data.source
     if done.eval_before:
         chosen = next(r for r in done.results if r["method"] == done.best.method)
         out["loss_before"], out["loss_after"] = done.eval_before["loss"], chosen["eval"]["loss"]
@@ -144,7 +150,7 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
 def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
     res = eval_loaded(ctx.lm, build_request(ctx.recipe, step), ctx.original, ctx.text_model)
     before, after = res["before"], res["after"]
-    out = {"loss": after["loss"], "tokens": after["tokens"]}
+    out = {"loss": after["loss"], "tokens": after["tokens"], "data": build_request(ctx.recipe, step).data.source}
     if "perplexity" in after:
         out["perplexity"] = after["perplexity"]
     if before:
@@ -155,9 +161,10 @@ def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
 
 
 def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
-    res = heal_loaded(ctx.lm, ctx.text_model, build_request(ctx.recipe, step))
+    req = build_request(ctx.recipe, step)
+    res = heal_loaded(ctx.lm, ctx.text_model, req)
     doc = res.to_json()
-    return {k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc}
+    return {**{k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc}, "data": req.data.source}
 
 
 STEPS = {"score": step_score, "prune": step_prune, "convert_gqa": step_convert, "eval": step_eval,

@@ -43,9 +43,29 @@ def demo_cmd(
     scores = json.loads((out / "scores.json").read_text())
     err_console().print(heatmap_table("head importance (gradient, per-layer normalised)", scores["scores"]))
     render_summary(result)
+    for line in quality_lines(result):
+        info(line)
     info(f"outputs in {out}/: scores.json, model/ (reload with headtool or transformers)")
     if json_out:
         print_json(result)
+
+
+def quality_lines(result: dict) -> list[str]:
+    """What the demo was calibrated on, and each evaluation's perplexity before -> after, the
+    domains that no step saw first (a figure on the calibration's own kind of text flatters)."""
+    from ...data.sources import parse_sources
+
+    calibration = result["recipe"]["data"]["source"]
+    seen = {p.source for p in parse_sources(calibration)}
+    lines = [f"calibrated on {calibration}"]
+    evals = [r for r in result["steps"] if r["step"] == "eval" and r.get("perplexity_before")]
+    evals.sort(key=lambda r: bool(seen & {p.source for p in parse_sources(r["data"])}))
+    for r in evals:
+        unseen = not seen & {p.source for p in parse_sources(r["data"])}
+        kind = "a domain no step saw" if unseen else "held-out blocks of the calibration's kind (flatters)"
+        lines.append(f"perplexity on {r['data']}, {kind}: {r['perplexity_before']:.2f} -> {r['perplexity']:.2f} "
+                     f"({r['perplexity'] / r['perplexity_before']:.2f}x the original)")
+    return lines
 
 
 def register(app: typer.Typer) -> None:

@@ -15,12 +15,12 @@ def render_summary(result: dict) -> None:
     from ..render import human_bytes, human_int
 
     t = Table(title=f"headtool run: {result['recipe'].get('name', 'recipe')}", title_justify="left")
-    for col in ("step", "heads", "KV heads", "params", "KV/token", "loss before", "loss after", "ppl", "time"):
-        t.add_column(col, justify="left" if col == "step" else "right")
+    for col in ("step", "data", "heads", "KV heads", "params", "KV/token", "loss before", "loss after", "ppl", "time"):
+        t.add_column(col, justify="left" if col in ("step", "data") else "right")
     for r in result["steps"]:
         after = r.get("loss_after", r.get("loss"))
         ppl = r.get("perplexity")
-        t.add_row(r["step"], str(r["heads"]), str(r["kv_heads"]), human_int(r["params"]),
+        t.add_row(r["step"], r.get("data", ""), str(r["heads"]), str(r["kv_heads"]), human_int(r["params"]),
                   human_bytes(r["kv_cache_bytes_per_token"]),
                   "" if r.get("loss_before") is None else f"{r['loss_before']:.4f}",
                   "" if after is None else f"{after:.4f}",
