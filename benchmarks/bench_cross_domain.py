@@ -169,6 +169,50 @@ def count_blocks(source: str, tokenizer, seq_len: int) -> int:
     return make_batches(DataSpec(source=source, seq_len=seq_len, batch_size=64), tokenizer, "lm").info["samples"]
 
 
+def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: int, min_blocks: int,
+                    log=lambda msg: None) -> tuple[dict[str, dict], dict[str, list]]:
+    """(domains, their evaluation batches): news, legal, then in-domain pydoc blocks after `used`."""
+    folder = cache_dir() / "bench-data"
+    domains: dict[str, dict] = {}
+    for path, meta in (news_text(folder), legal_text(folder)):
+        source = meta.pop("data_source", str(path))
+        n = count_blocks(source, tok, seq_len)
+        if n < max(min_blocks, n_eval):
+            raise SystemExit(f"{meta['name']}: {path} gives {n} blocks of {seq_len} tokens, fewer than "
+                             f"{max(min_blocks, n_eval)}")
+        spec = DataSpec(source=source, seq_len=seq_len, batch_size=batch_size, max_samples=n_eval, seed=0)
+        domains[meta["name"]] = {**meta, "source": source, "sha256": _sha256(path),
+                                 "bytes": path.stat().st_size, "blocks_available": n, "spec": spec}
+    n_pydoc = count_blocks("builtin:pydoc", tok, seq_len)
+    if n_pydoc - used < n_eval:
+        raise SystemExit(f"builtin:pydoc gives {n_pydoc} blocks: too few for {used} calibration + held-out "
+                         f"and {n_eval} evaluation blocks")
+    domains[IN_DOMAIN] = {"name": IN_DOMAIN, "label": f"pydoc, {IN_DOMAIN_LABEL}",
+                          "what": "builtin:pydoc (Python help texts), the blocks after every calibration's "
+                                  "calibration and held-out blocks", "origin": "this Python's pydoc topics",
+                          "source": "builtin:pydoc", "blocks_available": n_pydoc,
+                          "spec": DataSpec(source="builtin:pydoc", seq_len=seq_len, batch_size=batch_size,
+                                           max_samples=n_eval, seed=0, skip_samples=used)}
+    evals = {}
+    for name, d in domains.items():
+        b = make_batches(d.pop("spec"), tok, "lm")
+        evals[name] = b.batches
+        d["eval"] = b.info
+        log(f"{name}: {d['blocks_available']} blocks of {seq_len} tokens available, evaluating on "
+            f"{b.info['samples']}")
+    return domains, evals
+
+
+def perplexities(model, evals: dict[str, list]) -> tuple[dict, float]:
+    """Loss and perplexity of `model` on every evaluation set, and the seconds it took."""
+    t0 = time.perf_counter()
+    out = {}
+    for name, batches in evals.items():
+        e = evaluate(model, batches, "lm", label=f"eval {name}")
+        out[name] = {"loss": e["loss"], "perplexity": e["perplexity"]}
+    return out, time.perf_counter() - t0
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -223,50 +267,16 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    folder = cache_dir() / "bench-data"
-    news_path, news_meta = news_text(folder)
-    legal_path, legal_meta = legal_text(folder)
     lm = load_model(MODEL, dtype="float32", device="cpu")
     tok = lm.tokenizer
     log("model loaded")
 
     # ---- evaluation sets: out of domain first, in-domain last
-    used = a.cal + a.held
-    domains: dict[str, dict] = {}
-    for path, meta in ((news_path, news_meta), (legal_path, legal_meta)):
-        source = meta.pop("data_source", str(path))
-        n = count_blocks(source, tok, a.seq_len)
-        if n < max(a.min_blocks, a.eval):
-            raise SystemExit(f"{meta['name']}: {path} gives {n} blocks of {a.seq_len} tokens, fewer than "
-                             f"{max(a.min_blocks, a.eval)}")
-        spec = DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.eval, seed=0)
-        domains[meta["name"]] = {**meta, "source": source, "sha256": _sha256(path),
-                                 "bytes": path.stat().st_size, "blocks_available": n, "spec": spec}
-    n_pydoc = count_blocks("builtin:pydoc", tok, a.seq_len)
-    if n_pydoc - used < a.eval:
-        raise SystemExit(f"builtin:pydoc gives {n_pydoc} blocks: too few for {used} calibration + held-out "
-                         f"and {a.eval} evaluation blocks")
-    domains[IN_DOMAIN] = {"name": IN_DOMAIN, "label": f"pydoc, {IN_DOMAIN_LABEL}",
-                          "what": "builtin:pydoc (Python help texts), the blocks after every calibration's "
-                                  "calibration and held-out blocks", "origin": "this Python's pydoc topics",
-                          "source": "builtin:pydoc", "blocks_available": n_pydoc,
-                          "spec": DataSpec(source="builtin:pydoc", seq_len=a.seq_len, batch_size=a.batch_size,
-                                           max_samples=a.eval, seed=0, skip_samples=used)}
-    evals = {}
-    for name, d in domains.items():
-        b = make_batches(d.pop("spec"), tok, "lm")
-        evals[name] = b.batches
-        d["eval"] = b.info
-        log(f"{name}: {d['blocks_available']} blocks of {a.seq_len} tokens available, evaluating on "
-            f"{b.info['samples']}")
+    domains, evals = evaluation_sets(tok, seq_len=a.seq_len, batch_size=a.batch_size, n_eval=a.eval,
+                                     used=a.cal + a.held, min_blocks=a.min_blocks, log=log)
 
     def ppl_all(model) -> tuple[dict, float]:
-        t0 = time.perf_counter()
-        out = {}
-        for name, batches in evals.items():
-            e = evaluate(model, batches, "lm", label=f"eval {name}")
-            out[name] = {"loss": e["loss"], "perplexity": e["perplexity"]}
-        return out, time.perf_counter() - t0
+        return perplexities(model, evals)
 
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

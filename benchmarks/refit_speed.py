@@ -10,7 +10,10 @@ In one run on one model (default SmolLM2-135M, float32, CPU), on the same N cali
 - `merge aligned`: `convert_model(method="aligned")` (no refit, the convert-gqa default);
 - `prune --compensate`: `prune(compensate=True)` of --fraction of the query heads (chosen from
   gradient scores computed beforehand, not timed in the step), heads chosen inside layers by
-  the refit cost (the default), held-out blocks as for the merge.
+  the refit cost (the default), held-out blocks as for the merge;
+- `self-generation`: `self_blocks` sampling N blocks of --seq-len tokens from the model
+  (`--data self:N`: batched generation with a KV cache, the cache on disk bypassed), the
+  same number of tokens as the forward.
 The convert-gqa steps are reported with and without the shared `grams` pass; each ratio is
 seconds / forward seconds. The load average is recorded: on a shared machine it explains a lot.
 
@@ -37,6 +40,7 @@ os.environ.setdefault("HEADTOOL_NO_PROGRESS", "1")
 import torch
 
 from headtool.data.batches import make_batches
+from headtool.data.selfgen import self_blocks
 from headtool.data.sources import DataSpec
 from headtool.measure.calibration import attention_input_grams
 from headtool.measure.scoring import score_heads
@@ -46,7 +50,7 @@ from headtool.surgery.pruning import prune
 from headtool.surgery.selection import Target, select_heads
 
 RESULTS = Path(__file__).parent / "results" / "refit_speed.json"
-STEPS = ("fit", "aligned", "compensate")
+STEPS = ("fit", "aligned", "compensate", "selfgen")
 
 
 def _timed(fn):
@@ -130,6 +134,9 @@ def main() -> None:
         rows.append({"step": f"prune {a.fraction:g} --compensate", "seconds": s,
                      "refit_layers_kept": sum(r["kept"] for r in res.compensation)})
         del model
+    if "selfgen" in steps:
+        _, s = _timed(lambda: self_blocks(lm.model, lm.tokenizer, a.blocks, a.seq_len, seed=0, cache=False))
+        rows.append({"step": f"self-generation ({a.blocks} blocks)", "seconds": s})
     _, fwd_end = _timed(forward)  # again at the end: on a shared machine the unit is the faster of the two
     load["end"] = os.getloadavg()[0]
     rows[0]["seconds_at_end"] = fwd_end

@@ -1,0 +1,140 @@
+"""Does healing close the gap on text nobody trained on? SmolLM2-135M students healed on pydoc or on a
+pydoc + self-generated mixture, evaluated on the cross-domain benchmark's domains (issue 18).
+
+Student: 3 -> 1 KV heads with `fit` (+ anchored refit), calibrated on --cal blocks of --calibration
+(what `bench_cross_domain.py` measures as its row). Each heal (`heal_loaded`, what `headtool heal`
+and a recipe's heal step run: --train attention, --max-steps, batches of --batch-size x --seq-len)
+starts from the same student and trains on --heal-data; its own held-out blocks are the first
+--eval-samples blocks after --heal-skip (training skips them). --heal-skip is set so that the
+pydoc part of the heal data never reaches the in-domain evaluation blocks (pydoc blocks
+cal + held .. cal + held + eval - 1 of its seeded order: the heal's pydoc share starts after them).
+
+Evaluation: news (Lee corpus), legal (builtin:licenses), in-domain pydoc, exactly the sets of
+bench_cross_domain.py (same --eval and --cal + --held). Gap closed per domain: the share of the
+student's log-perplexity excess over the teacher that the heal removed.
+
+    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_heal_cross_domain.py
+
+Writes benchmarks/results/heal_cross_domain.json after every heal and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cross_domain import MODEL, evaluation_sets, perplexities  # noqa: E402
+
+from headtool.data.sources import DataSpec, parse_sources  # noqa: E402
+from headtool.model.loading import load_model, model_from_object  # noqa: E402
+from headtool.train.options import HealOptions  # noqa: E402
+from headtool.workflows.convert_gqa import convert_loaded  # noqa: E402
+from headtool.workflows.heal import heal_loaded  # noqa: E402
+from headtool.workflows.requests import ConvertRequest, HealRequest  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def gap_closed(before: float, after: float, teacher: float) -> float:
+    """Share of log(before / teacher) that the heal removed (1: back to the teacher)."""
+    return (math.log(before) - math.log(after)) / max(math.log(before) - math.log(teacher), 1e-12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibration", default="builtin:pydoc+self", help="the student's calibration --data")
+    ap.add_argument("--heal-data", default="builtin:pydoc,builtin:pydoc+self:640",
+                    help="comma list of heal --data sources, one heal each")
+    ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--cal", type=int, default=32)
+    ap.add_argument("--held", type=int, default=8)
+    ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--eval-samples", type=int, default=16, help="the heal's own held-out blocks")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--out", default=str(HERE / "results" / "heal_cross_domain.json"))
+    a = ap.parse_args()
+    command = " ".join(["python", "benchmarks/bench_heal_cross_domain.py", *sys.argv[1:]])
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    lm = load_model(MODEL, dtype="float32", device="cpu")
+    tok = lm.tokenizer
+    used = a.cal + a.held
+    domains, evals = evaluation_sets(tok, seq_len=a.seq_len, batch_size=a.batch_size, n_eval=a.eval, used=used,
+                                     min_blocks=64, log=log)
+    teacher, _ = perplexities(lm.model, evals)
+    cal = DataSpec(source=a.calibration, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
+    t0 = time.perf_counter()
+    conv = convert_loaded(lm, ConvertRequest(model=MODEL, kv_heads=1, merge="fit", data=cal, heldout_samples=a.held),
+                          text_model=lm)
+    student = conv.best.model
+    make_s = time.perf_counter() - t0
+    before, _ = perplexities(student, evals)
+    log("student: " + "  ".join(f"{n} {before[n]['perplexity']:.2f}" for n in evals))
+    doc = {"model": MODEL, "command": command, "student": {
+        "made_by": f"convert_loaded: --kv-heads 1 --merge fit --data {a.calibration} --max-samples {a.cal} "
+                   f"--heldout-samples {a.held} (anchor: the default)", "seconds": round(make_s, 1)},
+        "domains": domains, "order": list(domains), "teacher": teacher, "before": before,
+        "settings": {"max_steps": a.max_steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
+                     "train": "attention", "eval_samples": a.eval_samples}, "rows": []}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for source in [s.strip() for s in a.heal_data.split(",") if s.strip()]:
+        parts = parse_sources(source)
+        # the heal's pydoc share starts after the in-domain evaluation blocks (its held-out first)
+        skip = (used + a.eval) * len(parts)
+        data = DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, seed=0, skip_samples=skip)
+        req = HealRequest(student=MODEL, teacher=MODEL, output="", data=data, eval_samples=a.eval_samples,
+                          opts=HealOptions(train="attention", max_steps=a.max_steps))
+        healed = model_from_object(copy.deepcopy(student), tok, ref=MODEL)
+        t0 = time.perf_counter()
+        res = heal_loaded(healed, lm, req)
+        heal_s = time.perf_counter() - t0
+        after, _ = perplexities(healed.model, evals)
+        info = res.to_json()
+        row = {"heal_data": source, "skip_samples": skip, "seconds": round(heal_s, 1), "steps": info.get("steps"),
+               "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
+               "gap_closed": {n: gap_closed(before[n]["perplexity"], after[n]["perplexity"],
+                                            teacher[n]["perplexity"]) for n in evals}}
+        doc["rows"].append(row)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        log(f"heal on {source}: " + "  ".join(
+            f"{n} {before[n]['perplexity']:.2f} -> {after[n]['perplexity']:.2f} "
+            f"({100 * row['gap_closed'][n]:.0f}% closed)" for n in evals) + f"  [{heal_s:.0f} s]")
+    print(render(doc))
+
+
+def render(doc: dict) -> str:
+    """Perplexity before -> after and the gap closed, per domain (in-domain last)."""
+    names = doc["order"]
+    d = doc["domains"]
+    lines = ["| heal data | " + " | ".join(d[n].get("label", n) for n in names) + " | seconds |",
+             "| --- | " + " | ".join("---:" for _ in names) + " | ---: |",
+             "| teacher (unpruned) | " + " | ".join(f"{doc['teacher'][n]['perplexity']:.2f}" for n in names) + " | |",
+             "| student, before healing | " + " | ".join(f"{doc['before'][n]['perplexity']:.2f}" for n in names)
+             + " | |"]
+    for r in doc["rows"]:
+        lines.append(f"| `{r['heal_data']}` | " + " | ".join(
+            f"{r['after'][n]['perplexity']:.2f} ({100 * r['gap_closed'][n]:.0f}% closed)" for n in names)
+            + f" | {r['seconds']:.0f} |")
+    lines += ["", f"Student: {doc['student']['made_by']}. Heal: `--train attention`, {doc['settings']['max_steps']} "
+              f"steps of {doc['settings']['batch_size']} x {doc['settings']['seq_len']} tokens. Gap closed: the "
+              "share of the student's log-perplexity excess over the teacher that the heal removed.",
+              f"`{doc['command']}`"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
