@@ -124,6 +124,10 @@ class Adapter:
     # `self.config` (those layers get a per-layer view of the config).
     resize_attrs: tuple[tuple[str, str], ...] = ()
     resize_config_keys: tuple[tuple[str, str], ...] = ()
+    # convert-mla: the attention can be rebuilt as latent attention exactly (RoPE on rotate_half
+    # pairs, softmax(q.k * scaling) with the module's `scaling` attribute, no qk-norm, no logit
+    # softcapping, called by the decoder layer as the Llama attention is)
+    latent: bool = False
 
     # ---------------------------------------------------------------- geometry
     def num_layers(self, config) -> int:
@@ -204,6 +208,10 @@ class Adapter:
             if kind in ht.kinds and ht.name.endswith(".weight"):
                 return self.layer_module(model, i).get_submodule(ht.name[: -len(".weight")])
         raise KeyError(f"{self.family}: no weight carries {kind!r} slices")
+
+    def attention_scaling(self, model: nn.Module, i: int) -> float:
+        """The softmax scale of layer i's attention scores (q.k * scaling)."""
+        return float(self.attention_module(model, i).scaling)
 
     def rotary_dim(self, config, head_dim: int) -> int:
         """How many leading dims of each q/k head rotate (rotate_half pairs (p, p + r/2)); 0 without RoPE."""
