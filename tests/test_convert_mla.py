@@ -18,7 +18,9 @@ from headtool.model.latent import LatentAttention
 from headtool.surgery import latent as L
 from headtool.surgery import merging as C
 
-LATENT_FAMILIES = ["llama", "mistral", "qwen2"]
+# plain, sliding window unset, q/k/v biases, Gemma (MQA), Gemma 2 (soft-capped scores, sliding
+# layers), Phi-3 (fused qkv)
+LATENT_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"]
 
 
 def _grams(model, family: str):
@@ -49,9 +51,10 @@ def _generate(model, ids, n=8):
                           min_new_tokens=n)
 
 
-@pytest.mark.parametrize("family", LATENT_FAMILIES)
-def test_full_rank_is_exact_plain_absorbed_and_cached(family):
-    model = tiny_model(family)
+@pytest.mark.parametrize("family, extra", [(f, {}) for f in LATENT_FAMILIES] + [
+    ("phi3", {"partial_rotary_factor": 0.5})])  # dims that never rotate go into the latent
+def test_full_rank_is_exact_plain_absorbed_and_cached(family, extra):
+    model = tiny_model(family, **extra)
     ad = adapter_for(model.config)
     ids = sample_ids(family, seed=3)
     ref = logits_of(model, ids)
@@ -278,7 +281,7 @@ def test_cli_bad_targets_exit_2(tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "gemma3_text"])
 def test_cli_unsupported_families_exit_2(tmp_path, family):
     src = save_tiny(family, tmp_path / "src")
     r = _cli(src, "--kv-rank", 4, "-o", tmp_path / "out")

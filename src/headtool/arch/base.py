@@ -125,8 +125,8 @@ class Adapter:
     resize_attrs: tuple[tuple[str, str], ...] = ()
     resize_config_keys: tuple[tuple[str, str], ...] = ()
     # convert-mla: the attention can be rebuilt as latent attention exactly (RoPE on rotate_half
-    # pairs, softmax(q.k * scaling) with the module's `scaling` attribute, no qk-norm, no logit
-    # softcapping, called by the decoder layer as the Llama attention is)
+    # pairs, softmax(q.k * scaling) with the module's `scaling` attribute and what
+    # attention_extras names, no qk-norm, called by the decoder layer as the Llama attention is)
     latent: bool = False
 
     # ---------------------------------------------------------------- geometry
@@ -212,6 +212,13 @@ class Adapter:
     def attention_scaling(self, model: nn.Module, i: int) -> float:
         """The softmax scale of layer i's attention scores (q.k * scaling)."""
         return float(self.attention_module(model, i).scaling)
+
+    def attention_extras(self, model: nn.Module, i: int) -> dict[str, Any]:
+        """What layer i's attention passes to the attention function besides q, k, v and the mask:
+        `softcap` (Gemma 2's tanh capping of the scores) and `sliding_window` (None: global)."""
+        attn = self.attention_module(model, i)
+        return {"softcap": getattr(attn, "attn_logit_softcapping", None),
+                "sliding_window": getattr(attn, "sliding_window", None)}
 
     def rotary_dim(self, config, head_dim: int) -> int:
         """How many leading dims of each q/k head rotate (rotate_half pairs (p, p + r/2)); 0 without RoPE."""

@@ -102,7 +102,7 @@ LLAMA = _llama_like("llama", ("llama",), divides=False, latent=True)
 MISTRAL = _llama_like("mistral", ("mistral",), divides=True, latent=True)
 QWEN2 = _llama_like("qwen2", ("qwen2",), divides=True, latent=True)
 QWEN3 = _llama_like("qwen3", ("qwen3",), divides=True, qk_norm=True)
-GEMMA = _llama_like("gemma", ("gemma", "gemma2"), divides=False)
+GEMMA = _llama_like("gemma", ("gemma", "gemma2"), divides=False, latent=True)
 GEMMA3 = _llama_like("gemma3", ("gemma3_text",), divides=False, qk_norm=True)
 
 PHI3 = Adapter(
@@ -123,6 +123,7 @@ PHI3 = Adapter(
                   ("self_attn.num_key_value_heads", "num_kv_heads")),
     # Phi3Attention.forward splits qkv with self.config.num_attention_heads
     resize_config_keys=(("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads")),
+    latent=True,
 )
 
 ALL_ADAPTERS: tuple[Adapter, ...] = (BERT, GPT2, GPT_NEOX, OPT, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA3, PHI3)

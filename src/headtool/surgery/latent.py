@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..arch import Adapter, LayerHeads
+from ..arch import Adapter, LayerHeads, latent_families
 from ..arch.heads import layer_tensor_names
 from ..errors import UsageError
 from ..model.info import model_info
@@ -60,8 +60,8 @@ def check_latent_target(adapter: Adapter, config, geometry: Sequence[LayerHeads]
                         rope_dim: int) -> list[int]:
     """kv_rank per layer, or a UsageError (exit 2) naming what cannot be expressed."""
     if not adapter.latent:
-        raise UsageError(f"convert-mla: the {adapter.family} family is not supported yet (supported: the RoPE "
-                         "families llama, mistral, qwen2)")
+        raise UsageError(f"convert-mla: the {adapter.family} family is not supported yet (supported: "
+                         f"{', '.join(latent_families())})")
     rot = [adapter.rotary_dim(config, g.head_dim) for g in geometry]
     max_rope = min(g.num_kv_heads * r for g, r in zip(geometry, rot))
     if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
@@ -285,12 +285,17 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     scaling = {adapter.attention_scaling(original, i) for i in range(len(geometry))}
     if len(scaling) != 1:
         raise UsageError("convert-mla: layers with different attention scaling are not supported yet")
+    extras = [adapter.attention_extras(original, i) for i in range(len(geometry))]
+    softcap = {e["softcap"] for e in extras}
+    if len(softcap) != 1:
+        raise UsageError("convert-mla: layers with different score soft-capping are not supported yet")
     spec = {
         "layers_path": adapter.layers_path, "attention": adapter.attention, "hidden_size": adapter.hidden_size(config),
         "num_heads": g.num_heads, "qk_nope_dim": g.head_dim if latent_dims(g, rot, rope_dim) > g.num_kv_heads * g.head_dim
         else 0, "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
         "scaling": scaling.pop(), "q_bias": q_bias, "kv_bias": kv_bias, "o_bias": o_bias, "absorb": absorb,
+        "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
         "source_num_kv_heads": g.num_kv_heads,
     }
     model = copy.deepcopy(original)

@@ -34,14 +34,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Plain softmax attention; key/value heads are shared by `module.num_key_value_groups` query heads."""
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None,
+                            **kwargs):
+    """Plain softmax attention (scores soft-capped as Gemma 2 when `softcap`); key/value heads are
+    shared by `module.num_key_value_groups` query heads."""
     groups = module.num_key_value_groups
     if groups > 1:
         b, n, t, d = key.shape
         key = key[:, :, None].expand(b, n, groups, t, d).reshape(b, n * groups, t, d)
         value = value[:, :, None].expand(b, n, groups, t, value.shape[-1]).reshape(b, n * groups, t, -1)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
         if mask.dtype == torch.bool:
@@ -82,7 +86,10 @@ class LatentAttention(nn.Module):
         self.is_causal = True
         self.attention_dropout = 0.0
         self.num_key_value_groups = 1  # set per call: 1 (plain) or num_heads (absorbed: one latent head)
-        self.sliding_window = spec.get("sliding_window", [None] * (layer_idx + 1))[layer_idx]
+        # passed on to the attention function as the family's attention does (the mask already
+        # limits a sliding layer; flash kernels read the window from here)
+        self.sliding_window = (spec.get("sliding_window") or [None] * (layer_idx + 1))[layer_idx]
+        self.softcap = spec.get("softcap")  # Gemma 2: tanh soft-capping of the scores
         hidden = int(spec["hidden_size"])
         h = self.num_heads
         self.q_proj = nn.Linear(hidden, h * (self.qk_nope_dim + self.rope_dim), bias=bool(spec["q_bias"]))
@@ -123,6 +130,10 @@ class LatentAttention(nn.Module):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         w = self.kv_b_proj.weight.view(h, nope + vd, rank)
         dropout = self.attention_dropout if self.training else 0.0
+        if self.sliding_window is not None:
+            kwargs["sliding_window"] = self.sliding_window
+        if self.softcap is not None:  # the same scores in both paths, so the same capping
+            kwargs["softcap"] = self.softcap
         if self._absorbed(t):
             if nope:
                 q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w[:, :nope])
