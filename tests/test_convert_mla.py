@@ -211,7 +211,7 @@ def test_cli_writes_a_folder_that_reloads_with_trust_remote_code(tmp_path):
     src = save_tiny("llama", tmp_path / "src")
     out = tmp_path / "out"
     r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--data", "builtin:pydoc", "--max-samples", 4, "--seq-len", 16,
-             "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", out, "--json")
+             "--no-refit", "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", out, "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     per_token = 3 * (6 + 4) * 4  # three layers of a 6-dim latent and a 4-dim rotary key, fp32
@@ -248,6 +248,28 @@ def test_cli_writes_a_folder_that_reloads_with_trust_remote_code(tmp_path):
     from headtool.model.info import model_info
 
     assert model_info(ours.model, ours.adapter)["kv_cache_bytes_per_token"] == per_token
+
+
+def test_refit_lowers_the_error_and_runs_from_the_cli(tmp_path):
+    model = tiny_model("mistral", seed=3)
+    ad = adapter_for(model.config)
+    ids = sample_ids("mistral", batch=4, seq=24, seed=11)
+    cal = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    grams = attention_input_grams(model, ad, cal)
+    ref = logits_of(model, ids)
+    plain = L.convert_model_latent(model, ad, 6, rope_dim=4, grams=grams)
+    refit = L.convert_model_latent(model, ad, 6, rope_dim=4, grams=grams, refit=True, batches=cal)
+    assert plain.refit is None and len(refit.refit) == 3
+    err = [(logits_of(c.model, ids) - ref).pow(2).mean().item() for c in (plain, refit)]
+    assert err[1] < err[0], err
+
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--heldout-samples", 2,
+             "-o", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["refit"]) == 3 and doc["heldout_data"]["samples"] == 2 and "refit" in r.stderr
+    assert "Output-projection refit" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("family", LATENT_FAMILIES)

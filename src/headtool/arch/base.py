@@ -220,6 +220,13 @@ class Adapter:
         return {"softcap": getattr(attn, "attn_logit_softcapping", None),
                 "sliding_window": getattr(attn, "sliding_window", None)}
 
+    def rotary_inv_freq(self, model: nn.Module) -> torch.Tensor:
+        """The rotary frequencies (radians per token) of the planes, as the model computes them [r/2]."""
+        rope = getattr(self.base_model(model), "rotary_emb", None)
+        if rope is None or getattr(rope, "inv_freq", None) is None:
+            raise ValueError(f"{self.family}: no rotary embedding with inv_freq in the base model")
+        return rope.inv_freq.detach().to("cpu", torch.float64)
+
     def rotary_dim(self, config, head_dim: int) -> int:
         """How many leading dims of each q/k head rotate (rotate_half pairs (p, p + r/2)); 0 without RoPE."""
         if not self.rotary:

@@ -43,6 +43,7 @@ from ..errors import UsageError
 from ..model.info import model_info
 from ..model.latent import install_latent
 from ..model.placement import require_resident_weights
+from .compensation import DEFAULT_ANCHOR, sequential_refit
 from .merging import Blocks, _one_thread, _planes, _plane_moments, read_blocks
 
 DEFAULT_DAMPING = 1e-2  # ridge on the Gram, relative to its mean diagonal
@@ -98,13 +99,24 @@ def identity_mix(k: torch.Tensor, gram: torch.Tensor, rot_dim: int) -> tuple[tor
     return torch.eye(K, dtype=m.dtype).expand(P, K, K).clone(), m.diagonal(dim1=1, dim2=2).real.clamp_min(0)
 
 
+def position_weight(inv_freq: torch.Tensor, context: int, points: int = 64) -> torch.Tensor:
+    """How much dropping RoPE changes a plane's scores: E|e^(i theta Delta) - 1|^2 over distances
+    Delta log-uniform in [1, context] (near tokens count as much as far ones, per octave) [P]."""
+    delta = torch.logspace(0, torch.log10(torch.tensor(float(max(context, 2)))).item(), points,
+                           dtype=torch.float64)
+    return (2 * (1 - torch.cos(inv_freq.to(torch.float64)[:, None] * delta[None, :]))).mean(1)
+
+
 def choose_slots(u: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, gram: torch.Tensor, geo: LayerHeads,
-                 rot_dim: int, n: int) -> list[tuple[int, int]]:
+                 rot_dim: int, n: int, plane_weight: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """The n (plane, rotated head) slots that keep RoPE: most key energy times the energy of the
-    queries that read them; ordered by rotated head, then plane."""
+    queries that read them (times `plane_weight`, how much position matters on the plane);
+    ordered by rotated head, then plane."""
     eq = _plane_moments(_planes(q, rot_dim), gram).diagonal(dim1=1, dim2=2).real  # [P, H]
     j = torch.tensor([geo.kv_head_of(h) for h in range(geo.num_heads)])
     read = (u[:, :, j].abs() ** 2 * eq[:, None, :]).sum(-1)  # [P, K]: query energy per slot
+    if plane_weight is not None:
+        read = read * plane_weight.to(read.dtype)[:, None]
     score = (lam * read).reshape(-1)
     order = torch.argsort(-score, stable=True)[:n].tolist()
     K = lam.shape[1]
@@ -132,14 +144,16 @@ def _real_rows(z: torch.Tensor) -> torch.Tensor:
 
 @_one_thread
 def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int, kv_rank: int,
-                 damping: float = DEFAULT_DAMPING, rotate: bool = True) -> LatentLayer:
+                 damping: float = DEFAULT_DAMPING, rotate: bool = True,
+                 plane_weight: torch.Tensor | None = None, balance: str = "normalized", key_weight: float = 1.0,
+                 scaling: float = 1.0) -> LatentLayer:
     """Convert one layer's heads (see the module doc); `rotate=False` keeps the heads unmixed."""
     H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
     P, n = rot_dim // 2, rope_dim // 2
     if n > P * K:
         raise UsageError(f"--rope-dim {rope_dim}: at most {2 * P * K} rotary dims in a layer")
     u, lam = (rorope if rotate else identity_mix)(b.k, gram, rot_dim)
-    slots = choose_slots(u, lam, b.q, gram, geo, rot_dim, n)
+    slots = choose_slots(u, lam, b.q, gram, geo, rot_dim, n, plane_weight)
     dropped = sorted(set((p, m) for p in range(P) for m in range(K)) - set(slots), key=lambda s: (s[1], s[0]))
     zk = torch.einsum("pmj,jpd->mpd", u, _planes(b.k, rot_dim))  # rotated key planes [K, P, D+1]
     zq = _planes(b.q, rot_dim)  # [H, P, D+1]
@@ -173,23 +187,31 @@ def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, r
         report["latent_energy"] = 1.0
     else:
         gq = torch.einsum("hfd,de,hge->hfg", b.q[:, :, :], gram, b.q)  # E[q_h q_h^T] [H, d, d]
-        m_k = sum(lmap[jh[h]].T @ gq[h] @ lmap[jh[h]] for h in range(H)) if n_k else y.new_zeros(0, 0)
+        sens = torch.ones(H, dtype=y.dtype)
+        if balance == "output":
+            # first-order: a score error e moves head h's output by about e (v - mean v) through W_o^h
+            mean = gram[:, -1]
+            vm = torch.einsum("jfd,d->jf", b.v, mean)
+            cov = torch.einsum("jfd,de,jge->jfg", b.v, gram, b.v) - vm[:, :, None] * vm[:, None, :]
+            sens = torch.stack([scaling ** 2 * torch.trace(b.o[h].T @ cov[jh[h]] @ b.o[h]) for h in range(H)])
+        m_k = sum(sens[h] * lmap[jh[h]].T @ gq[h] @ lmap[jh[h]] for h in range(H)) if n_k else y.new_zeros(0, 0)
         m_v = torch.zeros(K * d, K * d, dtype=y.dtype)
         for h in range(H):
             s = slice(jh[h] * d, (jh[h] + 1) * d)
             m_v[s, s] += b.o[h] @ b.o[h].T
         g_reg = gram + damping * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
 
-        def root(m: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def root(m: torch.Tensor, c: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
             if not m.numel():
                 return m, m
-            total = torch.trace(m @ c @ g_reg @ c.T).clamp_min(_EPS)  # balance: each part to its own total
-            lam_m, vec = torch.linalg.eigh(m / total)
+            # balance "normalized": K and V each relative to its own total (TransMLA's balancing)
+            total = torch.trace(m @ c @ g_reg @ c.T).clamp_min(_EPS) if balance == "normalized" else 1.0
+            lam_m, vec = torch.linalg.eigh(scale * m / total)
             lam_m = lam_m.clamp_min(0) + _WEIGHT_FLOOR * lam_m.clamp_min(0).mean() + _EPS
             return (vec * lam_m.sqrt()) @ vec.T, (vec / lam_m.sqrt()) @ vec.T
 
-        rk, rk_inv = root(m_k, c_k)
-        rv, rv_inv = root(m_v, c_v)
+        rk, rk_inv = root(m_k, c_k, key_weight)
+        rv, rv_inv = root(m_v, c_v, 1.0)
         w_half = torch.block_diag(rk, rv)
         w_inv = torch.block_diag(rk_inv, rv_inv)
         s = w_half @ y
@@ -237,6 +259,7 @@ class LatentConverted:
     spec: dict[str, Any]
     layers: list[dict[str, Any]]
     seconds: float
+    refit: list[dict] | None = None
 
 
 CONVERT_INSTEAD = "convert-mla keeps the model in memory: load it without --device-map"
@@ -244,7 +267,11 @@ CONVERT_INSTEAD = "convert-mla keeps the model in memory: load it without --devi
 
 def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int], *, rope_dim: int | None = None,
                          grams: Mapping[int, torch.Tensor], damping: float = DEFAULT_DAMPING,
-                         rotate: bool = True, absorb: str | bool = "auto") -> LatentConverted:
+                         rotate: bool = True, absorb: str | bool = "auto", rope_context: int | None = None,
+                         refit: bool = False, batches: Sequence[dict] | None = None,
+                         heldout_batches: Sequence[dict] | None = None,
+                         anchor: float | Sequence[float] = DEFAULT_ANCHOR, balance: str = "normalized",
+                         key_weight: float = 1.0) -> LatentConverted:
     """A copy of `original` (left untouched) whose attention layers are latent attention.
 
     `rope_dim` defaults to one head's rotary dims (as DeepSeek and TransMLA); `grams` are the
@@ -274,9 +301,13 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         kv_bias |= _has_bias(adapter, prefix, state, {"k", "v"})
         biases.append(adapter.projection_module(original, i, "o").bias)
     o_bias = biases[0] is not None
+    plane_weight = None
+    if rope_context:
+        plane_weight = position_weight(adapter.rotary_inv_freq(original), rope_context)
     for i, geo in enumerate(geometry):
         b = read_blocks(state, adapter, adapter.layer_prefix(original, i), geo)
-        layer = latent_layer(b, geo, grams[i], rot, rope_dim, ranks[i], damping, rotate)
+        layer = latent_layer(b, geo, grams[i], rot, rope_dim, ranks[i], damping, rotate, plane_weight, balance,
+                             key_weight, adapter.attention_scaling(original, i))
         ob = biases[i].detach() if o_bias else None
         tensors.append(_module_tensors(layer, q_bias, kv_bias, ob, dtype))
         slots.append(layer.slots)
@@ -300,7 +331,13 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     }
     model = copy.deepcopy(original)
     install_latent(model, adapter, spec, tensors)
-    return LatentConverted(model, spec, reports, time.perf_counter() - t0)
+    refit_report = None
+    if refit:
+        if not batches:
+            raise UsageError("the output-projection refit needs calibration data (--data)")
+        refit_report = sequential_refit(original, model, adapter, batches, damping=damping, anchor=anchor,
+                                        heldout_batches=heldout_batches)
+    return LatentConverted(model, spec, reports, time.perf_counter() - t0, refit_report)
 
 
 def summary_figures(model, adapter: Adapter) -> dict[str, Any]:

@@ -225,8 +225,14 @@ class LatentRequest:
     rope_dim: int | None = option(None, "dims of the rotary key shared by all query heads (even); default one "
                                   "head's rotary dims; KV heads x rotary dims keeps RoPE exact", min=2)
     output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
-    damping: float = option(1e-2, "ridge on the calibration Gram of the latent factorization, relative to its "
-                            "mean diagonal (regularizes toward data-independent directions)", min=0)
+    damping: float = option(1e-2, "ridge on the calibration Gram of the latent factorization and of the refit, "
+                            "relative to its mean diagonal", min=0)
+    refit: bool = option(True, "sequential output-projection refit after the conversion, kept per layer only "
+                         "where it lowers the held-out error", flags=("--refit/--no-refit",))
+    anchor: str = option("1", ANCHOR_HELP)
+    heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) is chosen "
+                                         "(default: a quarter of the calibration)", min=0)
+    heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
     eval_data: str | DataSpec | None = option(None, "data to measure loss before/after (blocks disjoint from "
                                               "calibration when it is the same source)")
     eval_samples: int = option(32, "blocks of --eval-data", min=1)
@@ -242,6 +248,7 @@ class LatentRequest:
         from ..optionspec import check
 
         check(self)
+        parse_anchor(self.anchor)
         if self.rope_dim is not None and self.rope_dim % 2:
             raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
 

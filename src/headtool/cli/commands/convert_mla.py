@@ -34,6 +34,9 @@ def _table(summary: dict[str, Any]):
                                         f"{max(x['rope_energy'] for x in layers):.3f} (per layer)")
     t.add_row("latent energy kept", f"{min(x['latent_energy'] for x in layers):.3f}..."
                                     f"{max(x['latent_energy'] for x in layers):.3f} (weighted, per layer)")
+    if summary.get("refit"):
+        kept = sum(r["kept"] for r in summary["refit"])
+        t.add_row("output-projection refit", f"kept in {kept}/{len(summary['refit'])} layers")
     if summary.get("eval_before"):
         e0, e1 = summary["eval_before"], summary["eval_after"]
         ppl = (f"; perplexity {e0['perplexity']:.2f} -> {e1['perplexity']:.2f} "
