@@ -327,3 +327,10 @@ def test_the_latent_modeling_file_imports_nothing_of_headtool():
 
     path = Path(headtool.__file__).parent / "templates" / "modeling_headtool_mla.py"
     assert imports_of(path, "headtool.templates.modeling_headtool_mla", False, set()) == []
+
+
+def test_the_key_weight_default_is_the_measured_one():
+    """The CLI/recipe default and the library default are one number."""
+    from headtool.workflows.requests import LatentRequest
+
+    assert LatentRequest(model="m", kv_rank=1).key_weight == L.DEFAULT_KEY_WEIGHT

@@ -75,7 +75,7 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
     info(f"converting to latent attention: kv_rank {req.kv_rank}, rope_dim {rope_dim}")
     conv = convert_model_latent(lm.model, lm.adapter, ranks, rope_dim=rope_dim, grams=grams, damping=req.damping,
                                 refit=req.refit, batches=cal.batches, heldout_batches=held.batches if held else None,
-                                anchor=parse_anchor(req.anchor))
+                                anchor=parse_anchor(req.anchor), key_weight=req.key_weight)
     after = summary_figures(conv.model, lm.adapter)
     eval_after = evaluate(conv.model, ev.batches, objective, label="eval after") if ev else None
     summary: dict[str, Any] = {
@@ -97,8 +97,8 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
         "num_kv_heads": [g.num_kv_heads for g in geometry],
         "kv_cache_bytes_per_token": {"before": before["kv_cache_bytes_per_token"],
                                      "after": after["kv_cache_bytes_per_token"]},
-        "options": {"kv_rank": req.kv_rank, "rope_dim": rope_dim, "damping": req.damping, "refit": req.refit,
-                    "anchor": req.anchor},
+        "options": {"kv_rank": req.kv_rank, "rope_dim": rope_dim, "damping": req.damping,
+                    "key_weight": req.key_weight, "refit": req.refit, "anchor": req.anchor},
         "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "kv_cache_fraction", "layers",
                                              "refit", "eval_before", "eval_after", "calibration_data", "heldout_data",
                                              "eval_data")},

@@ -227,6 +227,8 @@ class LatentRequest:
     output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
     damping: float = option(1e-2, "ridge on the calibration Gram of the latent factorization and of the refit, "
                             "relative to its mean diagonal", min=0)
+    key_weight: float = option(0.25, "weight of key errors against value errors in the latent (each relative to "
+                               "its total; values lose more than keys)", min=0)
     refit: bool = option(True, "sequential output-projection refit after the conversion, kept per layer only "
                          "where it lowers the held-out error", flags=("--refit/--no-refit",))
     anchor: str = option("1", ANCHOR_HELP)
