@@ -8,6 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from conftest import needs_smollm2
 from tiny_models import logits_of, sample_ids, save_tiny, tiny_model
 
 from headtool.arch import adapter_for
@@ -248,6 +249,8 @@ def test_cli_writes_a_folder_that_reloads_with_trust_remote_code(tmp_path):
     from headtool.model.info import model_info
 
     assert model_info(ours.model, ours.adapter)["kv_cache_bytes_per_token"] == per_token
+    r = runner.invoke(app, ["info", str(out), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["kv_rank"] == 6 and "latent attention" in r.stderr
 
 
 def test_refit_lowers_the_error_and_runs_from_the_cli(tmp_path):
@@ -334,3 +337,30 @@ def test_the_key_weight_default_is_the_measured_one():
     from headtool.workflows.requests import LatentRequest
 
     assert LatentRequest(model="m", kv_rank=1).key_weight == L.DEFAULT_KEY_WEIGHT
+
+
+# ---------------------------------------------------------------- the packaged real model
+@pytest.mark.realmodel
+@needs_smollm2
+def test_smollm2_full_rank_exact_and_a_third_of_the_cache_runs(smollm2):
+    """SmolLM2-135M (9 query / 3 KV heads of 64): exact at full rank, and at a third of the cache
+    (the MQA budget) the conversion runs, caches 128 dims per layer and stays a language model."""
+    from headtool.data.batches import make_batches
+    from headtool.data.sources import DataSpec
+    from headtool.measure.evaluation import evaluate
+
+    lm = smollm2
+    cal = make_batches(DataSpec(seq_len=64, batch_size=4, max_samples=4), lm.tokenizer, "lm")
+    ev = make_batches(DataSpec(seq_len=64, batch_size=4, max_samples=4, skip_samples=4), lm.tokenizer, "lm")
+    grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+    ids = ev.batches[0]["input_ids"][:2, :32]
+    ref = logits_of(lm.model, ids)
+    full = L.convert_model_latent(lm.model, lm.adapter, 192, rope_dim=192, grams=grams)
+    assert (logits_of(full.model, ids) - ref).abs().max().item() <= 1e-3
+    del full
+    third = L.convert_model_latent(lm.model, lm.adapter, 64, rope_dim=64, grams=grams)
+    after = L.summary_figures(third.model, lm.adapter)
+    assert after["kv_cache_bytes_per_token"] * 3 == L.summary_figures(lm.model, lm.adapter)["kv_cache_bytes_per_token"]
+    base = evaluate(lm.model, ev.batches, "lm")["perplexity"]
+    ppl = evaluate(third.model, ev.batches, "lm")["perplexity"]
+    assert ppl < 10 * base, (ppl, base)
