@@ -364,3 +364,22 @@ def test_smollm2_full_rank_exact_and_a_third_of_the_cache_runs(smollm2):
     base = evaluate(lm.model, ev.batches, "lm")["perplexity"]
     ppl = evaluate(third.model, ev.batches, "lm")["perplexity"]
     assert ppl < 10 * base, (ppl, base)
+
+
+def test_heal_trains_a_latent_student_and_writes_latent_attention(tmp_path):
+    """heal runs on a convert-mla output as on any student (its attention parameters are the
+    latent projections) and writes a folder that is latent attention again."""
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--no-refit",
+             "-o", tmp_path / "mla")
+    assert r.exit_code == 0, r.stderr
+    r = runner.invoke(app, ["heal", str(tmp_path / "mla"), "--teacher", str(src), "--data", "builtin:pydoc",
+                            "--max-samples", "6", "--seq-len", "16", "--max-steps", "2", "--eval-samples", "2",
+                            "-o", str(tmp_path / "healed")])
+    assert r.exit_code == 0, r.stderr
+    healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True)
+    assert isinstance(healed.model.layers[0].self_attn, torch.nn.Module)
+    assert type(healed.model.layers[0].self_attn).__name__ == "LatentAttention"
+    assert healed.config.headtool_mla["kv_rank"] == [6, 6, 6]
