@@ -290,6 +290,14 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
      ("gpt2", "kv")),
     ("kv-heads-bert", lambda e: ["convert-gqa", e.m("bert"), "--kv-heads", "2", "-o", str(e.out)],
      ("bert", "kv")),
+    # convert-mla
+    ("kv-rank-above-full", lambda e: ["convert-mla", e.m(), "--kv-rank", "99", "-o", str(e.out)], ("--kv-rank",)),
+    ("kv-rank-zero", lambda e: ["convert-mla", e.m(), "--kv-rank", "0", "-o", str(e.out)], ("--kv-rank",)),
+    ("rope-dim-odd", lambda e: ["convert-mla", e.m(), "--kv-rank", "4", "--rope-dim", "3", "-o", str(e.out)],
+     ("--rope-dim",)),
+    ("latent-gpt2", lambda e: ["convert-mla", e.m("gpt2"), "--kv-rank", "4", "-o", str(e.out)],
+     ("gpt2", "not supported")),
+    ("latent-no-output", lambda e: ["convert-mla", e.m(), "--kv-rank", "4"], ("-o",)),
     # data
     ("data-missing", lambda e: ["score", e.m(), "--data", str(e.tmp / "nope.txt")], ("nope.txt",)),
     ("data-empty", lambda e: ["score", e.m(), "--data", e.file("empty.txt", "")], ("empty",)),
@@ -391,7 +399,8 @@ def test_every_command_has_bad_input_cases(base: Path, tmp_path: Path) -> None:
     ["info", "/no/such/model"],
     ["prune", "{llama}", "--heads", "0:x", "-o", "{out}"],
     ["convert-gqa", "{llama}", "--kv-heads", "3", "-o", "{out}"],
-], ids=["missing", "heads-malformed", "kv-heads"])
+    ["convert-mla", "{llama}", "--kv-rank", "99", "-o", "{out}"],
+], ids=["missing", "heads-malformed", "kv-heads", "kv-rank"])
 def test_bad_input_subprocess(args, base: Path, tmp_path: Path) -> None:
     """The real entry point: exit 2, one 'error:' line, no traceback, nothing written."""
     args = [a.format(llama=base / "llama", out=tmp_path / "out") for a in args]

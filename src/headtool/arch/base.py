@@ -124,6 +124,10 @@ class Adapter:
     # `self.config` (those layers get a per-layer view of the config).
     resize_attrs: tuple[tuple[str, str], ...] = ()
     resize_config_keys: tuple[tuple[str, str], ...] = ()
+    # convert-mla: the attention can be rebuilt as latent attention exactly (RoPE on rotate_half
+    # pairs, softmax(q.k * scaling) with the module's `scaling` attribute and what
+    # attention_extras names, no qk-norm, called by the decoder layer as the Llama attention is)
+    latent: bool = False
 
     # ---------------------------------------------------------------- geometry
     def num_layers(self, config) -> int:
@@ -204,6 +208,24 @@ class Adapter:
             if kind in ht.kinds and ht.name.endswith(".weight"):
                 return self.layer_module(model, i).get_submodule(ht.name[: -len(".weight")])
         raise KeyError(f"{self.family}: no weight carries {kind!r} slices")
+
+    def attention_scaling(self, model: nn.Module, i: int) -> float:
+        """The softmax scale of layer i's attention scores (q.k * scaling)."""
+        return float(self.attention_module(model, i).scaling)
+
+    def attention_extras(self, model: nn.Module, i: int) -> dict[str, Any]:
+        """What layer i's attention passes to the attention function besides q, k, v and the mask:
+        `softcap` (Gemma 2's tanh capping of the scores) and `sliding_window` (None: global)."""
+        attn = self.attention_module(model, i)
+        return {"softcap": getattr(attn, "attn_logit_softcapping", None),
+                "sliding_window": getattr(attn, "sliding_window", None)}
+
+    def rotary_inv_freq(self, model: nn.Module) -> torch.Tensor:
+        """The rotary frequencies (radians per token) of the planes, as the model computes them [r/2]."""
+        rope = getattr(self.base_model(model), "rotary_emb", None)
+        if rope is None or getattr(rope, "inv_freq", None) is None:
+            raise ValueError(f"{self.family}: no rotary embedding with inv_freq in the base model")
+        return rope.inv_freq.detach().to("cpu", torch.float64)
 
     def rotary_dim(self, config, head_dim: int) -> int:
         """How many leading dims of each q/k head rotate (rotate_half pairs (p, p + r/2)); 0 without RoPE."""

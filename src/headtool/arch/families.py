@@ -22,7 +22,7 @@ def _separate(prefix: str, q: str, k: str, v: str, o: str, bias: bool) -> tuple[
 
 
 def _llama_like(family: str, model_types: tuple[str, ...], *, divides: bool, qk_norm: bool = False,
-                head_dim_explicit: bool = True) -> Adapter:
+                head_dim_explicit: bool = True, latent: bool = False) -> Adapter:
     return Adapter(
         family=family,
         model_types=model_types,
@@ -37,6 +37,7 @@ def _llama_like(family: str, model_types: tuple[str, ...], *, divides: bool, qk_
         qk_norm=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if qk_norm else (),
         # the forward views q/k/v with head_dim and repeats K/V by num_key_value_groups
         resize_attrs=(("self_attn.num_key_value_groups", "group_size"),),
+        latent=latent,
     )
 
 
@@ -97,11 +98,11 @@ OPT = Adapter(
     resize_attrs=(("self_attn.num_heads", "num_heads"),),
 )
 
-LLAMA = _llama_like("llama", ("llama",), divides=False)
-MISTRAL = _llama_like("mistral", ("mistral",), divides=True)
-QWEN2 = _llama_like("qwen2", ("qwen2",), divides=True)
+LLAMA = _llama_like("llama", ("llama",), divides=False, latent=True)
+MISTRAL = _llama_like("mistral", ("mistral",), divides=True, latent=True)
+QWEN2 = _llama_like("qwen2", ("qwen2",), divides=True, latent=True)
 QWEN3 = _llama_like("qwen3", ("qwen3",), divides=True, qk_norm=True)
-GEMMA = _llama_like("gemma", ("gemma", "gemma2"), divides=False)
+GEMMA = _llama_like("gemma", ("gemma", "gemma2"), divides=False, latent=True)
 GEMMA3 = _llama_like("gemma3", ("gemma3_text",), divides=False, qk_norm=True)
 
 PHI3 = Adapter(
@@ -122,6 +123,7 @@ PHI3 = Adapter(
                   ("self_attn.num_key_value_heads", "num_kv_heads")),
     # Phi3Attention.forward splits qkv with self.config.num_attention_heads
     resize_config_keys=(("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads")),
+    latent=True,
 )
 
 ALL_ADAPTERS: tuple[Adapter, ...] = (BERT, GPT2, GPT_NEOX, OPT, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA3, PHI3)

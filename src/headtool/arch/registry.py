@@ -23,6 +23,11 @@ def supported_families() -> list[str]:
     return sorted({mt for a in ALL_ADAPTERS for mt in a.model_types})
 
 
+def latent_families() -> list[str]:
+    """Model types whose attention convert-mla rebuilds exactly (Adapter.latent)."""
+    return sorted({mt for a in ALL_ADAPTERS if a.latent for mt in a.model_types})
+
+
 def _stem(arch: str) -> str | None:
     for suffix in sorted(_HEADS, key=len, reverse=True):
         if arch.endswith(suffix):

@@ -181,10 +181,10 @@ def eval_cmd(
 def _register_commands() -> None:
     """Commands living in their own modules register themselves here (imports stay light:
     each command imports torch-heavy modules only when it runs)."""
-    from .commands import convert, demo, heal, inspect, prune, score
+    from .commands import convert, convert_mla, demo, heal, inspect, prune, score
     from .commands import run as recipes
 
-    for mod in (score, prune, convert, inspect, heal, recipes, demo):
+    for mod in (score, prune, convert, convert_mla, inspect, heal, recipes, demo):
         mod.register(app)
 
 

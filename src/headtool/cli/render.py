@@ -48,6 +48,9 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
         ("KV cache per token", f"{human_bytes(f['kv_cache_bytes_per_token'])} "
                                f"({f['kv_cache_bytes_per_token']:,} B)"),
     ]
+    if "kv_rank" in f:  # convert-mla output: the heads above are those the latent serves
+        rows.insert(4, ("latent attention", f"kv_rank {_fmt_list(f['kv_rank'])} + shared rotary key "
+                                            f"{f['rope_dim']} dims per token and layer"))
     for k, v in rows:
         t.add_row(k, v)
     return t

@@ -22,6 +22,7 @@ from typing import Any
 from ..arch import LAYOUT_KEY, RESIZE_SPEC_KEY
 from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
+from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
 from .sizes import parse_size
 
@@ -131,7 +132,7 @@ def _fix_config(folder: Path, model, kind: str) -> None:
         names = _auto_map(model)
         exported = {auto: f"Headtool{base}" for auto, base in names.items()}
         (folder / MODELING_FILE).write_text(modeling_file_source(
-            {exported[a]: names[a] for a in names}))
+            {exported[a]: names[a] for a in names}, latent=bool(cfg.get(MLA_KEY))))
         cfg["auto_map"] = {auto: f"{MODELING_FILE[:-3]}.{exp}" for auto, exp in exported.items()}
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -147,6 +148,14 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
            f"The heads per layer differ from what the family's standard config can express, so the "
            f"config carries a per-layer table (`{LAYOUT_KEY}`) and `{MODELING_FILE}` builds the model "
            "(it needs only torch and transformers): load with `trust_remote_code=True`.")
+    if op == "convert-mla":
+        why = (f"Its attention layers are multi-head latent attention: the KV cache holds one latent vector and "
+               f"one shared rotary key per token and layer. `{MODELING_FILE}` builds the family's model with "
+               f"those layers from the table `{MLA_KEY}` in config.json (it needs only torch and transformers): "
+               "load with `trust_remote_code=True`. A stock DeepSeek-V2/V3 config cannot express the layout "
+               "exactly: DeepSeek normalizes the latent (RMSNorm, `kv_a_layernorm`) before the up-projection, "
+               "which no weights can undo, and its rotary key turns with the frequencies of its own "
+               "`qk_rope_head_dim`, whereas these rotary slots keep the planes of the original heads.")
     lines = [
         "---", "library_name: transformers", "tags:", "- headtool", f"- {op}", "---", "",
         f"# {op} of {src.get('ref') or src.get('path') or 'a model'}", "",
@@ -162,7 +171,8 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
 
 def output_kind(model) -> str:
     """'standard' when the family's own config expresses the heads, else headtool's remote code."""
-    return REMOTE_CODE if getattr(model.config, LAYOUT_KEY, None) else STANDARD
+    remote = getattr(model.config, LAYOUT_KEY, None) or getattr(model.config, MLA_KEY, None)
+    return REMOTE_CODE if remote else STANDARD
 
 
 @contextmanager

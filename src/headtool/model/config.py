@@ -9,6 +9,7 @@ from typing import Mapping
 
 from ..arch import LAYOUT_KEY, RESIZE_SPEC_KEY, adapter_for
 from ..errors import UsageError
+from .latent import MLA_KEY
 from .refs import _offline
 
 
@@ -26,6 +27,9 @@ def load_config(path: str, source: str, trust_remote_code: bool = False):
             raw = json.loads(local.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UsageError(f"{local}: config.json is not valid JSON ({e})") from e
+        if MLA_KEY in raw and not trust_remote_code:
+            # headtool's latent-attention outputs: built with headtool's own copy of their modeling file
+            return config_from_latent_folder(path, raw)
         if raw.get("auto_map") and LAYOUT_KEY not in raw and not trust_remote_code:
             files = sorted({str(v).split(".")[0] + ".py" for v in raw["auto_map"].values() if isinstance(v, str)})
             raise UsageError(f"{path}: config.json names its own code ({', '.join(files) or 'auto_map'}), "
@@ -81,5 +85,31 @@ def config_from_headtool_folder(path: str | Path, raw_config: Mapping):
     adapter = adapter_for(config)
     if len(layout["num_heads"]) != adapter.num_layers(config):
         raise UsageError(f"{where}: {LAYOUT_KEY} lists {len(layout['num_heads'])} layers, "
+                         f"the model has {adapter.num_layers(config)}")
+    return config
+
+
+def config_from_latent_folder(path: str | Path, raw_config: Mapping):
+    """The config of a convert-mla output folder (no remote code run), its table checked."""
+    from transformers import CONFIG_MAPPING
+
+    where = str(Path(path) / "config.json")
+    raw = dict(raw_config)
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{where}: unknown model_type {model_type!r}")
+    spec = raw.get(MLA_KEY)
+    keys = ("layers_path", "attention", "num_heads", "qk_nope_dim", "v_head_dim", "rope_dim", "rotary_dim",
+            "kv_rank", "rope_planes", "scaling", "hidden_size")
+    if not isinstance(spec, dict) or any(k not in spec for k in keys) or \
+            len(spec["kv_rank"]) != len(spec["rope_planes"]):
+        raise UsageError(f"{where}: {MLA_KEY} must hold {', '.join(keys)} (one kv_rank and rope_planes per layer)")
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as e:  # noqa: BLE001 - config validators raise many types
+        raise UsageError(f"{where}: cannot read the config: {str(e).splitlines()[0]}") from e
+    adapter = adapter_for(config)
+    if len(spec["kv_rank"]) != adapter.num_layers(config):
+        raise UsageError(f"{where}: {MLA_KEY} lists {len(spec['kv_rank'])} layers, "
                          f"the model has {adapter.num_layers(config)}")
     return config

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from ..arch import Adapter, LayerHeads
+from .latent import latent_cache_bytes_per_layer, latent_spec
 
 
 def _uniform_or_list(values: list[int]) -> int | list[int]:
@@ -55,7 +56,9 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     params = dict(model.named_parameters())
     attn = sum(params[n].numel() for n in attention_param_names(model, adapter))
     dtype = next(model.parameters()).dtype
-    per_layer = kv_cache_bytes_per_layer(geometry, dtype)
+    spec = latent_spec(config)
+    # latent attention (convert-mla) caches one latent and one shared rotary key per token and layer
+    per_layer = latent_cache_bytes_per_layer(spec, dtype) if spec else kv_cache_bytes_per_layer(geometry, dtype)
     return {
         "model_type": config.model_type,
         "family": adapter.family,
@@ -73,4 +76,6 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
         "kv_cache_bytes_per_token": sum(per_layer),
         "kv_cache_bytes_per_token_per_layer": per_layer,
         "grouped_query": any(g.num_kv_heads != g.num_heads for g in geometry),
+        **({"kv_rank": _uniform_or_list([int(r) for r in spec["kv_rank"]]), "rope_dim": int(spec["rope_dim"])}
+           if spec else {}),
     }

@@ -16,6 +16,7 @@ from ..errors import HeadtoolError, UsageError
 from .classes import auto_class, pick_task
 from .config import load_config
 from .fingerprint import folder_fingerprint, model_fingerprint
+from .latent import MLA_KEY, load_latent_folder
 from .placement import (
     has_offloaded_weights,
     offload_folder,
@@ -135,7 +136,9 @@ def load_model(
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        if getattr(config, LAYOUT_KEY, None) and not trust_remote_code:
+        if getattr(config, MLA_KEY, None) and not trust_remote_code:
+            model, loading_info = load_latent_folder(path, config, task, output_loading_info=True, **kwargs)
+        elif getattr(config, LAYOUT_KEY, None) and not trust_remote_code:
             model, loading_info = load_headtool_folder(path, config, task, output_loading_info=True, **kwargs)
         else:
             model, loading_info = auto_class(task).from_pretrained(

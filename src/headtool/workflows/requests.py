@@ -215,6 +215,47 @@ class ConvertRequest:
 
 
 @dataclass(frozen=True)
+class LatentRequest:
+    """convert-mla's options and defaults. `rope_dim` None means one KV head's rotary dims (as
+    DeepSeek and TransMLA); the calibration (`data`) chooses the rotations and the latent."""
+
+    model: str = _model()
+    kv_rank: int = option(help="latent dims per token and layer; the cache holds these plus --rope-dim "
+                          "(full rank, exact: 2 x KV heads x head_dim - --rope-dim)", min=1)
+    rope_dim: int | None = option(None, "dims of the rotary key shared by all query heads (even); default one "
+                                  "head's rotary dims; KV heads x rotary dims keeps RoPE exact", min=2)
+    output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
+    damping: float = option(1e-2, "ridge on the calibration Gram of the latent factorization and of the refit, "
+                            "relative to its mean diagonal", min=0)
+    key_weight: float = option(0.25, "weight of key errors against value errors in the latent (each relative to "
+                               "its total; values lose more than keys)", min=0)
+    refit: bool = option(True, "sequential output-projection refit after the conversion, kept per layer only "
+                         "where it lowers the held-out error", flags=("--refit/--no-refit",))
+    anchor: str = option("1", ANCHOR_HELP)
+    heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) is chosen "
+                                         "(default: a quarter of the calibration)", min=0)
+    heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
+    eval_data: str | DataSpec | None = option(None, "data to measure loss before/after (blocks disjoint from "
+                                              "calibration when it is the same source)")
+    eval_samples: int = option(32, "blocks of --eval-data", min=1)
+    overwrite: bool = option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
+    shard_size: str = option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    data: DataSpec = field(default_factory=DataSpec)
+    load: LoadOptions = _load()
+
+    default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
+
+    def validate(self) -> None:
+        from ..errors import UsageError
+        from ..optionspec import check
+
+        check(self)
+        parse_anchor(self.anchor)
+        if self.rope_dim is not None and self.rope_dim % 2:
+            raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
+
+
+@dataclass(frozen=True)
 class EvalRequest:
     """Models to compare (deltas are against the first) and the data they are compared on (all of
     it unless --max-samples / --num-tokens cap it)."""

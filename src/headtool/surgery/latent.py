@@ -1,0 +1,367 @@
+"""K/V heads into one shared latent per token: multi-head latent attention (convert-mla).
+
+A layer with H query heads reading K KV heads of head_dim d (r rotary dims, rotate_half planes
+(p, p + r/2), P = r/2 of them) becomes, per token, one latent z (kv_rank dims) and one rotary
+key shared by all query heads (rope_dim dims = n complex slots). All statistics come from the
+Gram matrix of the attention input x~ = [x, 1] (`calibration.attention_input_grams`), as for
+K/V merging (`merging`), whose plane helpers this module shares.
+
+1. RoRoPE (as TransMLA): on every frequency plane p, the K heads' planes are complex numbers
+   k_j; a unitary K x K mix U_p across heads, k'_m = sum_j U_p[m, j] k_j, commutes with the
+   rotary embedding (which multiplies every plane by the same e^{i theta_p t}). Query head h
+   (reading KV head j(h)) then scores sum_m Re(U_p[m, j(h)] q_h conj(k'_m)) on that plane:
+   exactly its old score. U_p diagonalizes the key moments E[k_a conj(k_b)] (PCA of the key
+   energy per frequency), so the leading rotated heads carry most of it. TransMLA uses a real
+   orthogonal mix applied to both coordinates of a plane; a unitary one is the same kind of map
+   (complex scalars are rotation-scalings of a plane, which commute with RoPE) and concentrates
+   at least as much energy.
+2. The rotary key: the n slots (p, m) with the most key energy times query energy keep RoPE and
+   form the shared rotary key; each query head gets the matching rotary query U_p[m, j(h)] q_h^p.
+3. The rest of K (the other slots, whose RoPE is dropped, and dims that never rotated) and all
+   of V are compressed into the latent: Y = [k_nope; v] = C x~ is approximated by B A x~ with
+   A = U_R^T W^1/2 C and B = W^-1/2 U_R, U_R the leading eigenvectors of W^1/2 C G~ C^T W^1/2
+   (activation-whitened SVD; G~ the Gram ridge-regularized by `damping`). W weighs key errors by
+   what the queries read (sum_h L_j(h)^T E[q_h q_h^T] L_j(h)) and value errors by the output
+   projection (sum_h W_o^h^T W_o^h), K and V each normalized to its total (TransMLA's balance),
+   then keys weighted by `key_weight` (DEFAULT_KEY_WEIGHT; `balance="output"` instead weighs a
+   key error by how far it moves the head's output to first order).
+4. Per query head, the key up-projection W_uk^h = L_j(h) B_k maps the latent to the no-RoPE key
+   in the head's own d coordinates (so the head's no-RoPE query is its original query, without
+   RoPE), and W_uv^h = B_v rows of head j(h); at decode both are absorbed (see the modeling file).
+At full rank (kv_rank = every dim of Y, rope_dim = K x r) every step is exact.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..arch import Adapter, LayerHeads, latent_families
+from ..arch.heads import layer_tensor_names
+from ..errors import UsageError
+from ..model.info import model_info
+from ..model.latent import install_latent
+from ..model.placement import require_resident_weights
+from .compensation import DEFAULT_ANCHOR, sequential_refit
+from .merging import Blocks, _one_thread, _planes, _plane_moments, read_blocks
+
+DEFAULT_DAMPING = 1e-2  # ridge on the Gram, relative to its mean diagonal
+# weight of key errors against value errors in the latent, each relative to its own total.
+# Measured on SmolLM2-135M (pydoc calibration, no refit, perplexity ratio on unseen prose):
+# kv_rank 64 + rope_dim 64 (33% of the cache) 4.76x at 1, 3.93x at 0.25, 3.81x at 0.1, 3.86x
+# at 0; kv_rank 32 + rope_dim 16 (12.5%) 18.3x at 1, 16.9x at 0.25. Values lose more than keys.
+DEFAULT_KEY_WEIGHT = 0.25
+BALANCES = ("normalized", "output")
+_WEIGHT_FLOOR = 1e-3  # floor of the error weights W, relative to their mean eigenvalue
+_EPS = 1e-12
+
+
+# --------------------------------------------------------------------------- limits
+def latent_dims(geo: LayerHeads, rot_dim: int, rope_dim: int) -> int:
+    """Dims of Y = [k_nope; v] of a layer: the largest useful kv_rank (full rank, exact)."""
+    return 2 * geo.num_kv_heads * geo.head_dim - rope_dim
+
+
+def check_latent_target(adapter: Adapter, config, geometry: Sequence[LayerHeads], kv_rank: int | Sequence[int],
+                        rope_dim: int) -> list[int]:
+    """kv_rank per layer, or a UsageError (exit 2) naming what cannot be expressed."""
+    if not adapter.latent:
+        raise UsageError(f"convert-mla: the {adapter.family} family is not supported yet (supported: "
+                         f"{', '.join(latent_families())})")
+    rot = [adapter.rotary_dim(config, g.head_dim) for g in geometry]
+    max_rope = min(g.num_kv_heads * r for g, r in zip(geometry, rot))
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
+        raise UsageError(f"--rope-dim {rope_dim}: must be even, at least 2 and at most the rotary dims of all KV "
+                         f"heads of a layer ({max_rope})")
+    ranks = [int(kv_rank)] * len(geometry) if isinstance(kv_rank, int) else [int(r) for r in kv_rank]
+    if len(ranks) != len(geometry):
+        raise UsageError(f"--kv-rank: {len(ranks)} values for {len(geometry)} layers")
+    tops = [latent_dims(g, r, rope_dim) for g, r in zip(geometry, rot)]
+    for i, (r, g) in enumerate(zip(ranks, geometry)):
+        if r < 1 or r > tops[i]:
+            where = "" if len(set(tops)) == 1 else f" in layer {i}"
+            raise UsageError(f"--kv-rank {r}: must be between 1 and {tops[i]}{where} (full rank with --rope-dim "
+                             f"{rope_dim}: K and V of {g.num_kv_heads} KV heads x {g.head_dim} dims, less the "
+                             "rotary key, which is exact)")
+    return ranks
+
+
+# --------------------------------------------------------------------------- RoRoPE
+@_one_thread
+def rorope(k: torch.Tensor, gram: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-plane unitary mixes of the KV heads [P, K, K] (row m: rotated head m) and the key
+    energy of every rotated head [P, K], leading heads first."""
+    m = _plane_moments(_planes(k, rot_dim), gram)  # [P, K, K] Hermitian: E[k_a conj(k_b)]
+    lam, vec = torch.linalg.eigh(m)
+    lam, vec = lam.flip(-1), vec.flip(-1)
+    return vec.conj().transpose(-1, -2), lam.clamp_min(0)
+
+
+def identity_mix(k: torch.Tensor, gram: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """No mixing (the heads as they are) with their energies: the baseline RoRoPE improves on."""
+    m = _plane_moments(_planes(k, rot_dim), gram)
+    P, K, _ = m.shape
+    return torch.eye(K, dtype=m.dtype).expand(P, K, K).clone(), m.diagonal(dim1=1, dim2=2).real.clamp_min(0)
+
+
+def position_weight(inv_freq: torch.Tensor, context: int, points: int = 64) -> torch.Tensor:
+    """How much dropping RoPE changes a plane's scores: E|e^(i theta Delta) - 1|^2 over distances
+    Delta log-uniform in [1, context] (near tokens count as much as far ones, per octave) [P]."""
+    delta = torch.logspace(0, torch.log10(torch.tensor(float(max(context, 2)))).item(), points,
+                           dtype=torch.float64)
+    return (2 * (1 - torch.cos(inv_freq.to(torch.float64)[:, None] * delta[None, :]))).mean(1)
+
+
+def choose_slots(u: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, gram: torch.Tensor, geo: LayerHeads,
+                 rot_dim: int, n: int, plane_weight: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """The n (plane, rotated head) slots that keep RoPE: most key energy times the energy of the
+    queries that read them (times `plane_weight`, how much position matters on the plane);
+    ordered by rotated head, then plane."""
+    eq = _plane_moments(_planes(q, rot_dim), gram).diagonal(dim1=1, dim2=2).real  # [P, H]
+    j = torch.tensor([geo.kv_head_of(h) for h in range(geo.num_heads)])
+    read = (u[:, :, j].abs() ** 2 * eq[:, None, :]).sum(-1)  # [P, K]: query energy per slot
+    if plane_weight is not None:
+        read = read * plane_weight.to(read.dtype)[:, None]
+    score = (lam * read).reshape(-1)
+    order = torch.argsort(-score, stable=True)[:n].tolist()
+    K = lam.shape[1]
+    return sorted(((i // K, i % K) for i in order), key=lambda s: (s[1], s[0]))
+
+
+# --------------------------------------------------------------------------- one layer
+@dataclass
+class LatentLayer:
+    """One converted layer, float64, bias in the last column of q / kv_a."""
+
+    q: torch.Tensor  # [H * (nope + rope_dim), D+1]
+    kv_a: torch.Tensor  # [kv_rank + rope_dim, D+1]
+    kv_b: torch.Tensor  # [H * (nope + d), kv_rank]
+    o: torch.Tensor  # [H, d, D_out] unchanged
+    slots: list[tuple[int, int]]  # (plane, rotated head) of every rotary slot
+    qk_nope_dim: int
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def _real_rows(z: torch.Tensor) -> torch.Tensor:
+    """Complex rows [n, D+1] as real rows [2n, D+1]: real parts, then imaginary parts."""
+    return torch.cat([z.real, z.imag], dim=0)
+
+
+@_one_thread
+def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int, kv_rank: int,
+                 damping: float = DEFAULT_DAMPING, rotate: bool = True,
+                 plane_weight: torch.Tensor | None = None, balance: str = "normalized",
+                 key_weight: float = DEFAULT_KEY_WEIGHT,
+                 scaling: float = 1.0) -> LatentLayer:
+    """Convert one layer's heads (see the module doc); `rotate=False` keeps the heads unmixed."""
+    H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
+    P, n = rot_dim // 2, rope_dim // 2
+    if n > P * K:
+        raise UsageError(f"--rope-dim {rope_dim}: at most {2 * P * K} rotary dims in a layer")
+    u, lam = (rorope if rotate else identity_mix)(b.k, gram, rot_dim)
+    slots = choose_slots(u, lam, b.q, gram, geo, rot_dim, n, plane_weight)
+    dropped = sorted(set((p, m) for p in range(P) for m in range(K)) - set(slots), key=lambda s: (s[1], s[0]))
+    zk = torch.einsum("pmj,jpd->mpd", u, _planes(b.k, rot_dim))  # rotated key planes [K, P, D+1]
+    zq = _planes(b.q, rot_dim)  # [H, P, D+1]
+    jh = [geo.kv_head_of(h) for h in range(H)]
+
+    # shared rotary key and each head's rotary query
+    k_rope = _real_rows(torch.stack([zk[m, p] for p, m in slots]))
+    q_rope = [_real_rows(torch.stack([u[p, m, jh[h]] * zq[h, p] for p, m in slots])) for h in range(H)]
+
+    # the key without RoPE: dropped slots (real parts, imaginary parts), then dims that never rotate
+    nd, f = len(dropped), d - rot_dim
+    rows = [_real_rows(torch.stack([zk[m, p] for p, m in dropped]))] if nd else []
+    rows += [b.k[j, rot_dim:] for j in range(K)] if f else []
+    n_k = 2 * nd + K * f
+    c_k = torch.cat(rows) if rows else b.k.new_zeros(0, b.k.shape[-1])
+    # L_j [d, n_k]: the no-RoPE key in KV head j's own coordinates (a query head dots its query into it)
+    lmap = b.k.new_zeros(K, d, n_k)
+    for a, (p, m) in enumerate(dropped):
+        c = u[p, m]  # [K] complex
+        lmap[:, p, a], lmap[:, p, nd + a] = c.real, c.imag
+        lmap[:, P + p, a], lmap[:, P + p, nd + a] = -c.imag, c.real
+    for j in range(K):
+        lmap[j, rot_dim:, 2 * nd + j * f: 2 * nd + (j + 1) * f] = torch.eye(f, dtype=lmap.dtype)
+    c_v = b.v.reshape(K * d, -1)
+    y = torch.cat([c_k, c_v])
+    n_y = y.shape[0]
+    report: dict[str, Any] = {"rope_energy": float(lam[tuple(zip(*slots))].sum() / lam.sum().clamp_min(_EPS))}
+
+    if kv_rank >= n_y:  # full rank: the latent is Y itself
+        a_mat, b_mat = y.clone(), torch.eye(n_y, dtype=y.dtype)
+        report["latent_energy"] = 1.0
+    else:
+        gq = torch.einsum("hfd,de,hge->hfg", b.q[:, :, :], gram, b.q)  # E[q_h q_h^T] [H, d, d]
+        sens = torch.ones(H, dtype=y.dtype)
+        if balance == "output":
+            # first-order: a score error e moves head h's output by about e (v - mean v) through W_o^h
+            mean = gram[:, -1]
+            vm = torch.einsum("jfd,d->jf", b.v, mean)
+            cov = torch.einsum("jfd,de,jge->jfg", b.v, gram, b.v) - vm[:, :, None] * vm[:, None, :]
+            sens = torch.stack([scaling ** 2 * torch.trace(b.o[h].T @ cov[jh[h]] @ b.o[h]) for h in range(H)])
+        m_k = sum(sens[h] * lmap[jh[h]].T @ gq[h] @ lmap[jh[h]] for h in range(H)) if n_k else y.new_zeros(0, 0)
+        m_v = torch.zeros(K * d, K * d, dtype=y.dtype)
+        for h in range(H):
+            s = slice(jh[h] * d, (jh[h] + 1) * d)
+            m_v[s, s] += b.o[h] @ b.o[h].T
+        g_reg = gram + damping * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+
+        def root(m: torch.Tensor, c: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            if not m.numel():
+                return m, m
+            # balance "normalized": K and V each relative to its own total (TransMLA's balancing)
+            total = torch.trace(m @ c @ g_reg @ c.T).clamp_min(_EPS) if balance == "normalized" else 1.0
+            lam_m, vec = torch.linalg.eigh(scale * m / total)
+            lam_m = lam_m.clamp_min(0) + _WEIGHT_FLOOR * lam_m.clamp_min(0).mean() + _EPS
+            return (vec * lam_m.sqrt()) @ vec.T, (vec / lam_m.sqrt()) @ vec.T
+
+        rk, rk_inv = root(m_k, c_k, key_weight)
+        rv, rv_inv = root(m_v, c_v, 1.0)
+        w_half = torch.block_diag(rk, rv)
+        w_inv = torch.block_diag(rk_inv, rv_inv)
+        s = w_half @ y
+        ev, vec = torch.linalg.eigh(s @ g_reg @ s.T)
+        ev, vec = ev.flip(0).clamp_min(0), vec.flip(1)
+        u_r = vec[:, :kv_rank]
+        a_mat, b_mat = u_r.T @ s, w_inv @ u_r
+        report["latent_energy"] = float(ev[:kv_rank].sum() / ev.sum().clamp_min(_EPS))
+
+    b_k, b_v = b_mat[:n_k], b_mat[n_k:]
+    nope = d if n_k else 0
+    q_rows, kv_b_rows = [], []
+    for h in range(H):
+        j = jh[h]
+        q_rows += ([b.q[h]] if nope else []) + [q_rope[h]]
+        kv_b_rows += ([lmap[j] @ b_k] if nope else []) + [b_v[j * d:(j + 1) * d]]
+    return LatentLayer(q=torch.cat(q_rows), kv_a=torch.cat([a_mat, k_rope]), kv_b=torch.cat(kv_b_rows), o=b.o,
+                       slots=slots, qk_nope_dim=nope, report=report)
+
+
+# --------------------------------------------------------------------------- model level
+def _has_bias(adapter: Adapter, prefix: str, state: Mapping[str, torch.Tensor], kinds: set[str]) -> bool:
+    return any(t.dim() == 1 and set(ht.kinds) & kinds
+               for key, ht in layer_tensor_names(adapter, prefix, state.keys()) for t in [state[key]])
+
+
+def _module_tensors(layer: LatentLayer, q_bias: bool, kv_bias: bool, o_bias: torch.Tensor | None,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {"q_proj.weight": layer.q[:, :-1], "kv_a_proj_with_mqa.weight": layer.kv_a[:, :-1],
+           "kv_b_proj.weight": layer.kv_b, "o_proj.weight": layer.o.reshape(-1, layer.o.shape[-1]).T}
+    if q_bias:
+        out["q_proj.bias"] = layer.q[:, -1]
+    if kv_bias:
+        out["kv_a_proj_with_mqa.bias"] = layer.kv_a[:, -1]
+    if o_bias is not None:
+        out["o_proj.bias"] = o_bias
+    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+
+
+@dataclass
+class LatentConverted:
+    """A model converted to latent attention, its table and what each layer kept."""
+
+    model: Any
+    spec: dict[str, Any]
+    layers: list[dict[str, Any]]
+    seconds: float
+    refit: list[dict] | None = None
+
+
+CONVERT_INSTEAD = "convert-mla keeps the model in memory: load it without --device-map"
+
+
+def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int], *, rope_dim: int | None = None,
+                         grams: Mapping[int, torch.Tensor], damping: float = DEFAULT_DAMPING,
+                         rotate: bool = True, absorb: str | bool = "auto", rope_context: int | None = None,
+                         refit: bool = False, batches: Sequence[dict] | None = None,
+                         heldout_batches: Sequence[dict] | None = None,
+                         anchor: float | Sequence[float] = DEFAULT_ANCHOR, balance: str = "normalized",
+                         key_weight: float = DEFAULT_KEY_WEIGHT) -> LatentConverted:
+    """A copy of `original` (left untouched) whose attention layers are latent attention.
+
+    `rope_dim` defaults to one head's rotary dims (as DeepSeek and TransMLA); `grams` are the
+    attention-input Grams per layer (calibration.attention_input_grams); `rotate=False` skips
+    RoRoPE (a baseline). At kv_rank = latent_dims and rope_dim = KV heads x rotary dims the copy
+    computes what the original computes.
+
+    `key_weight` and `balance` weigh key against value errors in the latent (module doc);
+    `rope_context` (experimental, off) weighs each plane's claim to a rotary slot by how much
+    RoPE turns it over distances up to that many tokens (better where the latent is full rank,
+    worse where it is not: the low-frequency planes it leaves out carry much of the key energy).
+    With `refit`, the output projections are refit sequentially on `batches` and kept per layer
+    where they lower the error on `heldout_batches` (compensation.sequential_refit, `anchor`).
+    """
+    if balance not in BALANCES:
+        raise UsageError(f"balance {balance!r}: use {' or '.join(BALANCES)}")
+    if key_weight < 0:
+        raise UsageError(f"--key-weight must be >= 0 (got {key_weight})")
+    t0 = time.perf_counter()
+    require_resident_weights(original, "convert-mla", CONVERT_INSTEAD)
+    config = original.config
+    geometry = adapter.geometry(config)
+    rot = adapter.rotary_dim(config, geometry[0].head_dim)
+    rope_dim = rot if rope_dim is None else int(rope_dim)
+    ranks = check_latent_target(adapter, config, geometry, kv_rank, rope_dim)
+    if len({(g.num_heads, g.num_kv_heads, g.head_dim) for g in geometry}) != 1:
+        raise UsageError("convert-mla: layers with different head counts are not supported yet")
+    if damping < 0:
+        raise UsageError(f"--damping must be >= 0 (got {damping})")
+    state = original.state_dict()
+    dtype = next(original.parameters()).dtype
+    tensors, slots, reports = [], [], []
+    q_bias = kv_bias = False
+    biases = []
+    for i, geo in enumerate(geometry):
+        prefix = adapter.layer_prefix(original, i)
+        q_bias |= _has_bias(adapter, prefix, state, {"q"})
+        kv_bias |= _has_bias(adapter, prefix, state, {"k", "v"})
+        biases.append(adapter.projection_module(original, i, "o").bias)
+    o_bias = biases[0] is not None
+    plane_weight = None
+    if rope_context:
+        plane_weight = position_weight(adapter.rotary_inv_freq(original), rope_context)
+    for i, geo in enumerate(geometry):
+        b = read_blocks(state, adapter, adapter.layer_prefix(original, i), geo)
+        layer = latent_layer(b, geo, grams[i], rot, rope_dim, ranks[i], damping, rotate, plane_weight, balance,
+                             key_weight, adapter.attention_scaling(original, i))
+        ob = biases[i].detach() if o_bias else None
+        tensors.append(_module_tensors(layer, q_bias, kv_bias, ob, dtype))
+        slots.append(layer.slots)
+        reports.append({"layer": i, "kv_rank": ranks[i], **{k: round(v, 6) for k, v in layer.report.items()}})
+    g = geometry[0]
+    scaling = {adapter.attention_scaling(original, i) for i in range(len(geometry))}
+    if len(scaling) != 1:
+        raise UsageError("convert-mla: layers with different attention scaling are not supported yet")
+    extras = [adapter.attention_extras(original, i) for i in range(len(geometry))]
+    softcap = {e["softcap"] for e in extras}
+    if len(softcap) != 1:
+        raise UsageError("convert-mla: layers with different score soft-capping are not supported yet")
+    spec = {
+        "layers_path": adapter.layers_path, "attention": adapter.attention, "hidden_size": adapter.hidden_size(config),
+        "num_heads": g.num_heads, "qk_nope_dim": g.head_dim if latent_dims(g, rot, rope_dim) > g.num_kv_heads * g.head_dim
+        else 0, "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
+        "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
+        "scaling": scaling.pop(), "q_bias": q_bias, "kv_bias": kv_bias, "o_bias": o_bias, "absorb": absorb,
+        "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
+        "source_num_kv_heads": g.num_kv_heads,
+    }
+    model = copy.deepcopy(original)
+    install_latent(model, adapter, spec, tensors)
+    refit_report = None
+    if refit:
+        if not batches:
+            raise UsageError("the output-projection refit needs calibration data (--data)")
+        refit_report = sequential_refit(original, model, adapter, batches, damping=damping, anchor=anchor,
+                                        heldout_batches=heldout_batches)
+    return LatentConverted(model, spec, reports, time.perf_counter() - t0, refit_report)
+
+
+def summary_figures(model, adapter: Adapter) -> dict[str, Any]:
+    """Parameters and KV cache of a model (before/after columns of the summary)."""
+    info = model_info(model, adapter)
+    return {k: info[k] for k in ("params", "attention_params", "kv_cache_bytes_per_token",
+                                 "kv_cache_bytes_per_token_per_layer", "num_kv_heads", "num_heads")}

@@ -1,0 +1,110 @@
+"""`headtool convert-mla`: K/V heads into one shared latent per token (multi-head latent attention),
+RoPE kept exact by per-frequency rotations across the KV heads; writes a remote-code folder."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..console import info
+from ..data.batches import make_batches
+from ..data.sources import DataSpec
+from ..errors import UsageError
+from ..io.output import check_output_target, write_output
+from ..measure.calibration import attention_input_grams
+from ..measure.evaluation import evaluate
+from ..measure.objectives import DATA_TASK, resolve_objective
+from ..model.loading import load_model
+from ..model.placement import require_resident_weights
+from ..surgery.compensation import refit_table
+from ..surgery.latent import CONVERT_INSTEAD, check_latent_target, convert_model_latent, summary_figures
+from .data_plan import eval_spec, heldout_spec, with_default_blocks
+from .requests import LatentRequest, parse_anchor
+
+
+def card_table(summary: dict[str, Any]) -> str:
+    b, a = summary["before"], summary["after"]
+    ranks = summary["kv_rank"]
+    lines = ["| | before | after |", "| --- | --- | --- |",
+             f"| attention | {b['num_heads']} query heads, {b['num_kv_heads']} KV heads | latent attention, "
+             f"kv_rank {min(ranks)}{'' if min(ranks) == max(ranks) else f'..{max(ranks)}'}, "
+             f"rope_dim {summary['rope_dim']} |",
+             f"| parameters | {b['params']:,} | {a['params']:,} |",
+             f"| KV cache bytes per token | {b['kv_cache_bytes_per_token']:,} | {a['kv_cache_bytes_per_token']:,} |"]
+    if summary.get("eval_before"):
+        lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | {summary['eval_after']['loss']:.4f} |")
+    if summary.get("refit"):
+        held = summary.get("heldout_data") or {}
+        lines += ["", "Output-projection refit per layer (anchor: the pull toward the weights without a refit, "
+                  f"chosen on held-out blocks of `{held.get('source', 'the calibration data')}`):", "",
+                  refit_table(summary["refit"])]
+    return "\n".join(lines)
+
+
+def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
+    """Check, load, calibrate, convert, write; returns the summary (also recorded in headtool.json)."""
+    req.validate()
+    if req.output is None:
+        raise UsageError("convert-mla needs -o OUT (the output folder)")
+    lm = load_model(req.model, **req.load.kwargs())
+    require_resident_weights(lm.model, "convert-mla", CONVERT_INSTEAD)
+    geometry = lm.geometry
+    rot = lm.adapter.rotary_dim(lm.config, geometry[0].head_dim) if lm.adapter.latent else 0
+    rope_dim = req.rope_dim if req.rope_dim is not None else rot
+    ranks = check_latent_target(lm.adapter, lm.config, geometry, req.kv_rank, rope_dim)
+    check_output_target(req.output, lm.path, req.overwrite)
+    spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
+    objective = resolve_objective("auto", lm.task)
+    data_task = DATA_TASK[objective]
+    cal = make_batches(spec, lm.tokenizer, data_task, model=lm)
+    used = spec.skip_samples + cal.info["samples"]
+    held = None
+    n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
+    if req.refit and n_held > 0:
+        hspec = heldout_spec(spec, req.heldout_data, n_held, used)
+        held = make_batches(hspec, lm.tokenizer, data_task, model=lm)
+        if hspec.source == spec.source:
+            used += held.info["samples"]
+    info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
+         + (f" ({held.info['samples']} held out from {held.info.get('source')})" if held else ""))
+    grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+    ev = None
+    if req.eval_data:
+        ev = make_batches(eval_spec(spec, req.eval_data, req.eval_samples, used)[0], lm.tokenizer, data_task,
+                          model=lm)
+    eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
+    before = summary_figures(lm.model, lm.adapter)
+    info(f"converting to latent attention: kv_rank {req.kv_rank}, rope_dim {rope_dim}")
+    conv = convert_model_latent(lm.model, lm.adapter, ranks, rope_dim=rope_dim, grams=grams, damping=req.damping,
+                                refit=req.refit, batches=cal.batches, heldout_batches=held.batches if held else None,
+                                anchor=parse_anchor(req.anchor), key_weight=req.key_weight)
+    after = summary_figures(conv.model, lm.adapter)
+    eval_after = evaluate(conv.model, ev.batches, objective, label="eval after") if ev else None
+    summary: dict[str, Any] = {
+        "model": req.model, "output": req.output, "kv_rank": ranks, "rope_dim": rope_dim, "damping": req.damping,
+        "qk_nope_dim": conv.spec["qk_nope_dim"], "before": before, "after": after,
+        "kv_cache_reduction": before["kv_cache_bytes_per_token"] / max(after["kv_cache_bytes_per_token"], 1),
+        "kv_cache_fraction": after["kv_cache_bytes_per_token"] / max(before["kv_cache_bytes_per_token"], 1),
+        "layers": conv.layers, "refit": conv.refit, "seconds": round(conv.seconds, 2), "eval_before": eval_before,
+        "eval_after": eval_after, "calibration_data": cal.info, "heldout_data": held.info if held else None,
+        "eval_data": ev.info if ev else None,
+    }
+    meta = {
+        "operation": "convert-mla",
+        "method": "rorope+whitened-svd",
+        "kv_rank": ranks,
+        "rope_dim": rope_dim,
+        "rope_slots": [[[p, m] for p, m in zip(ps, ms)]
+                       for ps, ms in zip(conv.spec["rope_planes"], conv.spec["rope_heads"])],
+        "num_kv_heads": [g.num_kv_heads for g in geometry],
+        "kv_cache_bytes_per_token": {"before": before["kv_cache_bytes_per_token"],
+                                     "after": after["kv_cache_bytes_per_token"]},
+        "options": {"kv_rank": req.kv_rank, "rope_dim": rope_dim, "damping": req.damping,
+                    "key_weight": req.key_weight, "refit": req.refit, "anchor": req.anchor},
+        "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "kv_cache_fraction", "layers",
+                                             "refit", "eval_before", "eval_after", "calibration_data", "heldout_data",
+                                             "eval_data")},
+    }
+    written = write_output(req.output, model=conv.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
+                           card_table=card_table(summary), overwrite=req.overwrite, shard_size=req.shard_size)
+    summary["config_kind"] = written["config_kind"]
+    summary["path"] = written["path"]
+    return summary

@@ -1,0 +1,385 @@
+"""convert-mla: exact at full rank (plain, absorbed, cached generation), RoRoPE changes nothing,
+outputs reload with plain transformers, reduced ranks cache what they report, the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import needs_smollm2
+from tiny_models import logits_of, sample_ids, save_tiny, tiny_model
+
+from headtool.arch import adapter_for
+from headtool.cli.app import app
+from headtool.errors import UsageError
+from headtool.measure.calibration import attention_input_grams
+from headtool.model.latent import LatentAttention
+from headtool.surgery import latent as L
+from headtool.surgery import merging as C
+
+# plain, sliding window unset, q/k/v biases, Gemma (MQA), Gemma 2 (soft-capped scores, sliding
+# layers), Phi-3 (fused qkv)
+LATENT_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"]
+
+
+def _grams(model, family: str):
+    ids = sample_ids(family, batch=2, seq=24, seed=7)
+    return attention_input_grams(model, adapter_for(model.config), [{"input_ids": ids,
+                                                                      "attention_mask": torch.ones_like(ids)}])
+
+
+def _full(model):
+    """(kv_rank, rope_dim) at which the conversion is exact."""
+    ad = adapter_for(model.config)
+    g = ad.geometry(model.config)[0]
+    rot = ad.rotary_dim(model.config, g.head_dim)
+    return L.latent_dims(g, rot, g.num_kv_heads * rot), g.num_kv_heads * rot
+
+
+def _absorb(model, value) -> None:
+    n = 0
+    for m in model.modules():
+        if isinstance(m, LatentAttention):
+            m.absorb = value
+            n += 1
+    assert n == model.config.num_hidden_layers
+
+
+def _generate(model, ids, n=8):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          min_new_tokens=n)
+
+
+@pytest.mark.parametrize("family, extra", [(f, {}) for f in LATENT_FAMILIES] + [
+    ("phi3", {"partial_rotary_factor": 0.5})])  # dims that never rotate go into the latent
+def test_full_rank_is_exact_plain_absorbed_and_cached(family, extra):
+    model = tiny_model(family, **extra)
+    ad = adapter_for(model.config)
+    ids = sample_ids(family, seed=3)
+    ref = logits_of(model, ids)
+    rank, rope = _full(model)
+    conv = L.convert_model_latent(model, ad, rank, rope_dim=rope, grams=_grams(model, family))
+    for absorb in (False, True):
+        _absorb(conv.model, absorb)
+        assert (logits_of(conv.model, ids) - ref).abs().max().item() <= 1e-4, absorb
+    _absorb(conv.model, "auto")  # plain prefill, absorbed decode steps on the latent cache
+    prompt = ids[:1, :6]
+    assert _generate(conv.model, prompt).tolist() == _generate(model, prompt).tolist()
+    assert (logits_of(model, ids) - ref).abs().max().item() == 0.0  # the input is untouched
+    assert all(x["rope_energy"] == pytest.approx(1.0) and x["latent_energy"] == 1.0 for x in conv.layers)
+
+
+def test_eager_attention_is_exact_too():
+    model = tiny_model("llama", attn_implementation="eager")
+    ids = sample_ids("llama", seed=3)
+    rank, rope = _full(model)
+    conv = L.convert_model_latent(model, adapter_for(model.config), rank, rope_dim=rope, grams=_grams(model, "llama"))
+    assert conv.model.config._attn_implementation == "eager"
+    for absorb in (False, True):
+        _absorb(conv.model, absorb)
+        assert (logits_of(conv.model, ids) - logits_of(model, ids)).abs().max().item() <= 1e-4
+
+
+def test_rorope_rotations_alone_change_no_logits():
+    """With every rotary slot kept, the per-plane unitary mixes are a change of basis of the keys:
+    the tensors differ from the unmixed conversion, the logits do not."""
+    model = tiny_model("llama", seed=2, num_key_value_heads=4)
+    ad = adapter_for(model.config)
+    ids = sample_ids("llama", seed=3)
+    ref = logits_of(model, ids)
+    grams = _grams(model, "llama")
+    rank, rope = _full(model)
+    mixed = L.convert_model_latent(model, ad, rank, rope_dim=rope, grams=grams, rotate=True)
+    plain = L.convert_model_latent(model, ad, rank, rope_dim=rope, grams=grams, rotate=False)
+    key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    a, b = mixed.model.state_dict()[key], plain.model.state_dict()[key]
+    assert a.shape == b.shape and (a[-rope:] - b[-rope:]).abs().max().item() > 1e-2  # not the identity
+    for conv in (mixed, plain):
+        assert (logits_of(conv.model, ids) - ref).abs().max().item() <= 1e-4
+    # the mixes are unitary and put the key energy into the leading rotated heads, plane by plane
+    geo = ad.geometry(model.config)[0]
+    blocks = C.read_blocks(model.state_dict(), ad, ad.layer_prefix(model, 0), geo)
+    u, lam = L.rorope(blocks.k, grams[0], ad.rotary_dim(model.config, geo.head_dim))
+    eye = torch.eye(4, dtype=u.dtype).expand_as(u)
+    assert torch.allclose(u @ u.conj().transpose(-1, -2), eye, atol=1e-10)
+    assert bool((lam[:, :-1] >= lam[:, 1:] - 1e-12).all())
+    _, raw = L.identity_mix(blocks.k, grams[0], ad.rotary_dim(model.config, geo.head_dim))
+    assert bool((lam[:, 0] >= raw.max(1).values - 1e-9).all())
+
+
+def _planewise_copies(model):
+    """KV head 1 of every layer: head 0's key turned and scaled by a complex number per plane
+    (RoRoPE can gather both into one rotated head; no single per-head rotary key can)."""
+    ad = adapter_for(model.config)
+    g = torch.Generator().manual_seed(5)
+    for i, geo in enumerate(ad.geometry(model.config)):
+        state = model.state_dict()
+        prefix = ad.layer_prefix(model, i)
+        b = C.read_blocks(state, ad, prefix, geo)
+        r = ad.rotary_dim(model.config, geo.head_dim)
+        c = torch.polar(0.5 + torch.rand(r // 2, generator=g, dtype=torch.float64),
+                        6.28 * torch.rand(r // 2, generator=g, dtype=torch.float64))
+        z = C._planes(b.k[:1], r) * c[None, :, None]
+        b.k[1] = C._set_planes(b.k[1:2], z, r)[0]
+        model.load_state_dict({**state, **C.write_tensors(b, ad, prefix, state, geo, geo)})
+    return model
+
+
+def test_rorope_gathers_position_information_into_the_rope_dims():
+    """Keys that differ per frequency plane only by a complex factor live in one rotated head:
+    a rotary key of one head's dims is then exact with RoRoPE and not without."""
+    model = _planewise_copies(tiny_model("llama", seed=4))
+    ad = adapter_for(model.config)
+    ids = sample_ids("llama", seed=3)
+    ref = logits_of(model, ids)
+    grams = _grams(model, "llama")
+    geo = ad.geometry(model.config)[0]
+    rope = ad.rotary_dim(model.config, geo.head_dim)  # one head's worth of 2
+    rank = L.latent_dims(geo, rope, rope)
+    conv = L.convert_model_latent(model, ad, rank, rope_dim=rope, grams=grams)
+    assert all(x["rope_energy"] == pytest.approx(1.0) for x in conv.layers)
+    assert (logits_of(conv.model, ids) - ref).abs().max().item() <= 1e-4
+    plain = L.convert_model_latent(model, ad, rank, rope_dim=rope, grams=grams, rotate=False)
+    assert (logits_of(plain.model, ids) - ref).abs().max().item() > 1e-2
+
+
+def test_factorization_is_exact_within_the_rank_of_k_and_v():
+    """The whitened SVD path (kv_rank below full) loses nothing when K/V span no more dims: two
+    KV heads with the same value projection need only one head's value dims."""
+    model = tiny_model("llama", seed=6)
+    ad = adapter_for(model.config)
+    for i, geo in enumerate(ad.geometry(model.config)):
+        state = model.state_dict()
+        prefix = ad.layer_prefix(model, i)
+        b = C.read_blocks(state, ad, prefix, geo)
+        b.v[1] = b.v[0]
+        model.load_state_dict({**state, **C.write_tensors(b, ad, prefix, state, geo, geo)})
+    ids = sample_ids("llama", seed=3)
+    rank, rope = _full(model)
+    geo = ad.geometry(model.config)[0]
+    conv = L.convert_model_latent(model, ad, rank - geo.head_dim, rope_dim=rope, grams=_grams(model, "llama"))
+    assert (logits_of(conv.model, ids) - logits_of(model, ids)).abs().max().item() <= 1e-4
+
+
+def test_reduced_rank_caches_what_it_reports_and_error_falls_with_rank():
+    model = tiny_model("qwen2", seed=1)
+    ad = adapter_for(model.config)
+    grams = _grams(model, "qwen2")
+    ids = sample_ids("qwen2", seed=3)
+    ref = logits_of(model, ids)
+    errors = []
+    for rank in (4, 12, 20):
+        conv = L.convert_model_latent(model, ad, rank, rope_dim=4, grams=grams)
+        after = L.summary_figures(conv.model, ad)
+        assert after["kv_cache_bytes_per_token_per_layer"] == [(rank + 4) * 4] * 3
+        errors.append((logits_of(conv.model, ids) - ref).pow(2).mean().item())
+        out = conv.model.generate(ids[:1, :5], attention_mask=torch.ones_like(ids[:1, :5]), max_new_tokens=3,
+                                  do_sample=False, min_new_tokens=3, return_dict_in_generate=True)
+        layer = out.past_key_values.layers[0]
+        assert layer.keys.shape == (1, 1, 7, rank) and layer.values.shape == (1, 1, 7, 4)  # latent, rotary key
+    assert errors[0] > errors[1] > errors[2]
+    assert L.summary_figures(model, ad)["kv_cache_bytes_per_token"] == 3 * 2 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize("args, needle", [
+    (dict(kv_rank=64), "--kv-rank 64: must be between 1 and"),
+    (dict(kv_rank=0), "--kv-rank 0"),
+    (dict(kv_rank=8, rope_dim=3), "--rope-dim 3"),
+    (dict(kv_rank=8, rope_dim=64), "--rope-dim 64"),
+])
+def test_impossible_targets_are_usage_errors(args, needle):
+    model = tiny_model("llama")
+    ad = adapter_for(model.config)
+    with pytest.raises(UsageError, match=needle.replace("-", r"\-")):
+        L.check_latent_target(ad, model.config, ad.geometry(model.config), args["kv_rank"], args.get("rope_dim", 8))
+
+
+# ---------------------------------------------------------------- output folders and the CLI
+runner = CliRunner()
+
+
+def _cli(*args):
+    return runner.invoke(app, ["convert-mla", *(str(a) for a in args)])
+
+
+def test_cli_writes_a_folder_that_reloads_with_trust_remote_code(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from headtool.model.loading import load_model
+
+    src = save_tiny("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--data", "builtin:pydoc", "--max-samples", 4, "--seq-len", 16,
+             "--no-refit", "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    per_token = 3 * (6 + 4) * 4  # three layers of a 6-dim latent and a 4-dim rotary key, fp32
+    assert doc["kv_rank"] == [6, 6, 6] and doc["rope_dim"] == 4
+    assert doc["before"]["kv_cache_bytes_per_token"] == 3 * 2 * 2 * 8 * 4
+    assert doc["after"]["kv_cache_bytes_per_token"] == per_token
+    assert doc["config_kind"] == "headtool-remote-code" and doc["eval_after"]["loss"] > 0
+    assert "KV cache per token" in r.stderr and "latent" in r.stderr
+    meta = json.loads((out / "headtool.json").read_text())
+    assert meta["operation"] == "convert-mla" and meta["kv_rank"] == [6, 6, 6]
+    assert meta["kv_cache_bytes_per_token"] == {"before": 384, "after": per_token}
+    assert len(meta["rope_slots"][0]) == 2
+    assert "DeepSeek" in (out / "README.md").read_text()
+    code = (out / "modeling_headtool.py").read_text()
+    assert "LatentAttention" in code and "import headtool" not in code and "from headtool" not in code
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ours = load_model(str(out), dtype="float32", device="cpu")  # headtool's own loader, no remote code
+    ids = sample_ids("llama", seed=3)
+    a = logits_of(reloaded, ids)
+    assert (logits_of(ours.model, ids) - a).abs().max().item() <= 1e-5
+    # the same conversion in memory (same calibration blocks) gives the same model
+    lm = load_model(str(src), dtype="float32", device="cpu")
+    from headtool.data.batches import make_batches
+    from headtool.data.sources import DataSpec
+
+    cal = make_batches(DataSpec(source="builtin:pydoc", max_samples=4, seq_len=16), lm.tokenizer, "lm", model=lm)
+    grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+    conv = L.convert_model_latent(lm.model, lm.adapter, 6, rope_dim=4, grams=grams)
+    assert (logits_of(conv.model, ids) - a).abs().max().item() <= 1e-5
+    gen = _generate(reloaded, ids[:1, :5], 4)
+    assert gen.tolist() == _generate(conv.model, ids[:1, :5], 4).tolist()
+    assert ours.model.config.headtool_mla["kv_rank"] == [6, 6, 6]
+    from headtool.model.info import model_info
+
+    assert model_info(ours.model, ours.adapter)["kv_cache_bytes_per_token"] == per_token
+    r = runner.invoke(app, ["info", str(out), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["kv_rank"] == 6 and "latent attention" in r.stderr
+
+
+def test_refit_lowers_the_error_and_runs_from_the_cli(tmp_path):
+    model = tiny_model("mistral", seed=3)
+    ad = adapter_for(model.config)
+    ids = sample_ids("mistral", batch=4, seq=24, seed=11)
+    cal = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    grams = attention_input_grams(model, ad, cal)
+    ref = logits_of(model, ids)
+    plain = L.convert_model_latent(model, ad, 6, rope_dim=4, grams=grams)
+    refit = L.convert_model_latent(model, ad, 6, rope_dim=4, grams=grams, refit=True, batches=cal)
+    assert plain.refit is None and len(refit.refit) == 3
+    err = [(logits_of(c.model, ids) - ref).pow(2).mean().item() for c in (plain, refit)]
+    assert err[1] < err[0], err
+
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--heldout-samples", 2,
+             "-o", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["refit"]) == 3 and doc["heldout_data"]["samples"] == 2 and "refit" in r.stderr
+    assert "Output-projection refit" in (tmp_path / "out" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("family", LATENT_FAMILIES)
+def test_full_rank_folder_reloads_exactly(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from headtool.io.output import write_output
+    from headtool.model.loading import model_from_object
+
+    model = tiny_model(family)
+    rank, rope = _full(model)
+    conv = L.convert_model_latent(model, adapter_for(model.config), rank, rope_dim=rope, grams=_grams(model, family))
+    write_output(tmp_path / "out", model=conv.model, tokenizer=None, source=model_from_object(model),
+                 meta={"operation": "convert-mla"})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    ids = sample_ids(family, seed=3)
+    assert (logits_of(reloaded, ids) - logits_of(model, ids)).abs().max().item() <= 1e-4
+    assert _generate(reloaded, ids[:1, :6]).tolist() == _generate(model, ids[:1, :6]).tolist()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-rank", 99], "must be between 1 and 24"),
+    (["--kv-rank", 8, "--rope-dim", 5], "--rope-dim 5: must be even"),
+    (["--kv-rank", 8, "--rope-dim", 18], "--rope-dim 18"),
+    (["--kv-rank", 0], "--kv-rank"),
+])
+def test_cli_bad_targets_exit_2(tmp_path, args, needle):
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, *args, "--max-samples", 2, "--seq-len", 8, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "gemma3_text"])
+def test_cli_unsupported_families_exit_2(tmp_path, family):
+    src = save_tiny(family, tmp_path / "src")
+    r = _cli(src, "--kv-rank", 4, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "not supported yet" in r.stderr, r.stderr
+
+
+def test_cli_existing_output_refused(tmp_path):
+    src = save_tiny("mistral", tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    r = _cli(src, "--kv-rank", 4, "--max-samples", 2, "--seq-len", 8, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "already exists" in r.stderr
+    assert (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_the_latent_modeling_file_imports_nothing_of_headtool():
+    from pathlib import Path
+
+    import headtool
+    from test_layers import imports_of
+
+    path = Path(headtool.__file__).parent / "templates" / "modeling_headtool_mla.py"
+    assert imports_of(path, "headtool.templates.modeling_headtool_mla", False, set()) == []
+
+
+def test_the_key_weight_default_is_the_measured_one():
+    """The CLI/recipe default and the library default are one number."""
+    from headtool.workflows.requests import LatentRequest
+
+    assert LatentRequest(model="m", kv_rank=1).key_weight == L.DEFAULT_KEY_WEIGHT
+
+
+# ---------------------------------------------------------------- the packaged real model
+@pytest.mark.realmodel
+@needs_smollm2
+def test_smollm2_full_rank_exact_and_a_third_of_the_cache_runs(smollm2):
+    """SmolLM2-135M (9 query / 3 KV heads of 64): exact at full rank, and at a third of the cache
+    (the MQA budget) the conversion runs, caches 128 dims per layer and stays a language model."""
+    from headtool.data.batches import make_batches
+    from headtool.data.sources import DataSpec
+    from headtool.measure.evaluation import evaluate
+
+    lm = smollm2
+    cal = make_batches(DataSpec(seq_len=64, batch_size=4, max_samples=4), lm.tokenizer, "lm")
+    ev = make_batches(DataSpec(seq_len=64, batch_size=4, max_samples=4, skip_samples=4), lm.tokenizer, "lm")
+    grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+    ids = ev.batches[0]["input_ids"][:2, :32]
+    ref = logits_of(lm.model, ids)
+    full = L.convert_model_latent(lm.model, lm.adapter, 192, rope_dim=192, grams=grams)
+    assert (logits_of(full.model, ids) - ref).abs().max().item() <= 1e-3
+    del full
+    third = L.convert_model_latent(lm.model, lm.adapter, 64, rope_dim=64, grams=grams)
+    after = L.summary_figures(third.model, lm.adapter)
+    assert after["kv_cache_bytes_per_token"] * 3 == L.summary_figures(lm.model, lm.adapter)["kv_cache_bytes_per_token"]
+    base = evaluate(lm.model, ev.batches, "lm")["perplexity"]
+    ppl = evaluate(third.model, ev.batches, "lm")["perplexity"]
+    assert ppl < 10 * base, (ppl, base)
+
+
+def test_heal_trains_a_latent_student_and_writes_latent_attention(tmp_path):
+    """heal runs on a convert-mla output as on any student (its attention parameters are the
+    latent projections) and writes a folder that is latent attention again."""
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--no-refit",
+             "-o", tmp_path / "mla")
+    assert r.exit_code == 0, r.stderr
+    r = runner.invoke(app, ["heal", str(tmp_path / "mla"), "--teacher", str(src), "--data", "builtin:pydoc",
+                            "--max-samples", "6", "--seq-len", "16", "--max-steps", "2", "--eval-samples", "2",
+                            "-o", str(tmp_path / "healed")])
+    assert r.exit_code == 0, r.stderr
+    healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True)
+    assert isinstance(healed.model.layers[0].self_attn, torch.nn.Module)
+    assert type(healed.model.layers[0].self_attn).__name__ == "LatentAttention"
+    assert healed.config.headtool_mla["kv_rank"] == [6, 6, 6]
