@@ -23,7 +23,8 @@ from headtool.workflows.recipe_schema import (
     validate,
 )
 
-COMMAND_OF_STEP = {"score": "score", "prune": "prune", "convert_gqa": "convert-gqa", "eval": "eval",
+COMMAND_OF_STEP = {"score": "score", "prune": "prune", "convert_gqa": "convert-gqa",
+                   "convert_mla": "convert-mla", "eval": "eval",
                    "heal": "heal"}
 # command-line options that are not options of a step, and why recipes have no key for them
 NOT_STEP_OPTIONS = {

@@ -148,7 +148,7 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
            f"The heads per layer differ from what the family's standard config can express, so the "
            f"config carries a per-layer table (`{LAYOUT_KEY}`) and `{MODELING_FILE}` builds the model "
            "(it needs only torch and transformers): load with `trust_remote_code=True`.")
-    if op == "convert-mla":
+    if op == "convert-mla" or meta.get("kv_rank") is not None:  # also a recipe with a convert_mla step
         why = (f"Its attention layers are multi-head latent attention: the KV cache holds one latent vector and "
                f"one shared rotary key per token and layer. `{MODELING_FILE}` builds the family's model with "
                f"those layers from the table `{MLA_KEY}` in config.json (it needs only torch and transformers): "

@@ -1,7 +1,11 @@
 """`headtool convert-mla`: K/V heads into one shared latent per token (multi-head latent attention),
-RoPE kept exact by per-frequency rotations across the KV heads; writes a remote-code folder."""
+RoPE kept exact by per-frequency rotations across the KV heads; writes a remote-code folder.
+
+`run_convert_mla` loads, converts and writes; `convert_mla_loaded` converts a model in memory and
+is shared with the recipe step `convert_mla`, so both run the same code on the same blocks."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
@@ -12,12 +16,22 @@ from ..io.output import check_output_target, write_output
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
-from ..model.loading import load_model
+from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
 from ..surgery.compensation import refit_table
-from ..surgery.latent import CONVERT_INSTEAD, check_latent_target, convert_model_latent, summary_figures
+from ..surgery.latent import (
+    CONVERT_INSTEAD,
+    LatentConverted,
+    check_latent_target,
+    convert_model_latent,
+    summary_figures,
+)
 from .data_plan import eval_spec, heldout_spec, with_default_blocks
 from .requests import LatentRequest, parse_anchor
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(set(ranks)) == 1 else f"{', '.join(map(str, ranks))} (per layer)"
 
 
 def card_table(summary: dict[str, Any]) -> str:
@@ -25,8 +39,7 @@ def card_table(summary: dict[str, Any]) -> str:
     ranks = summary["kv_rank"]
     lines = ["| | before | after |", "| --- | --- | --- |",
              f"| attention | {b['num_heads']} query heads, {b['num_kv_heads']} KV heads | latent attention, "
-             f"kv_rank {min(ranks)}{'' if min(ranks) == max(ranks) else f'..{max(ranks)}'}, "
-             f"rope_dim {summary['rope_dim']} |",
+             f"kv_rank {_ranks_text(ranks)}, rope_dim {summary['rope_dim']} |",
              f"| parameters | {b['params']:,} | {a['params']:,} |",
              f"| KV cache bytes per token | {b['kv_cache_bytes_per_token']:,} | {a['kv_cache_bytes_per_token']:,} |"]
     if summary.get("eval_before"):
@@ -39,43 +52,58 @@ def card_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
-    """Check, load, calibrate, convert, write; returns the summary (also recorded in headtool.json)."""
-    req.validate()
-    if req.output is None:
-        raise UsageError("convert-mla needs -o OUT (the output folder)")
-    lm = load_model(req.model, **req.load.kwargs())
-    require_resident_weights(lm.model, "convert-mla", CONVERT_INSTEAD)
-    geometry = lm.geometry
+def latent_target(lm: LoadedModel, req: LatentRequest, geometry=None) -> tuple[list[int], int]:
+    """(kv_rank per layer, rope_dim) that `req` asks of this model (of `geometry`, the heads it will
+    have when the step runs; default its heads now), or a UsageError (exit 2)."""
+    geometry = lm.geometry if geometry is None else geometry
     rot = lm.adapter.rotary_dim(lm.config, geometry[0].head_dim) if lm.adapter.latent else 0
     rope_dim = req.rope_dim if req.rope_dim is not None else rot
-    ranks = check_latent_target(lm.adapter, lm.config, geometry, req.kv_rank, rope_dim)
-    check_output_target(req.output, lm.path, req.overwrite)
+    return check_latent_target(lm.adapter, lm.config, geometry, req.kv_rank, rope_dim), rope_dim
+
+
+@dataclass
+class MlaRun:
+    """What convert_mla_loaded did: the converted model, its summary and its headtool.json entries."""
+
+    conv: LatentConverted
+    summary: dict[str, Any]
+    meta: dict[str, Any]
+
+
+def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: LoadedModel | None = None,
+                       calib_device=None) -> MlaRun:
+    """Calibrate on req.data, convert (lm.model is left untouched), evaluate before and after on
+    req.eval_data. `headtool convert-mla` and the recipe step `convert_mla`."""
+    req.validate()
+    require_resident_weights(lm.model, "convert-mla", CONVERT_INSTEAD)
+    ranks, rope_dim = latent_target(lm, req)
+    tm = text_model or lm  # the model `--data self` samples from
     spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
     objective = resolve_objective("auto", lm.task)
     data_task = DATA_TASK[objective]
-    cal = make_batches(spec, lm.tokenizer, data_task, model=lm)
+    cal = make_batches(spec, lm.tokenizer, data_task, model=tm)
     used = spec.skip_samples + cal.info["samples"]
     held = None
     n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
     if req.refit and n_held > 0:
         hspec = heldout_spec(spec, req.heldout_data, n_held, used)
-        held = make_batches(hspec, lm.tokenizer, data_task, model=lm)
+        held = make_batches(hspec, lm.tokenizer, data_task, model=tm)
         if hspec.source == spec.source:
             used += held.info["samples"]
     info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
          + (f" ({held.info['samples']} held out from {held.info.get('source')})" if held else ""))
-    grams = attention_input_grams(lm.model, lm.adapter, cal.batches)
+    grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
     ev = None
     if req.eval_data:
         ev = make_batches(eval_spec(spec, req.eval_data, req.eval_samples, used)[0], lm.tokenizer, data_task,
-                          model=lm)
+                          model=tm)
     eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
     before = summary_figures(lm.model, lm.adapter)
-    info(f"converting to latent attention: kv_rank {req.kv_rank}, rope_dim {rope_dim}")
+    info(f"converting to latent attention: kv_rank {_ranks_text(ranks)}, rope_dim {rope_dim}")
     conv = convert_model_latent(lm.model, lm.adapter, ranks, rope_dim=rope_dim, grams=grams, damping=req.damping,
                                 refit=req.refit, batches=cal.batches, heldout_batches=held.batches if held else None,
                                 anchor=parse_anchor(req.anchor), key_weight=req.key_weight)
+    ranks = list(conv.spec["kv_rank"])
     after = summary_figures(conv.model, lm.adapter)
     eval_after = evaluate(conv.model, ev.batches, objective, label="eval after") if ev else None
     summary: dict[str, Any] = {
@@ -94,7 +122,7 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
         "rope_dim": rope_dim,
         "rope_slots": [[[p, m] for p, m in zip(ps, ms)]
                        for ps, ms in zip(conv.spec["rope_planes"], conv.spec["rope_heads"])],
-        "num_kv_heads": [g.num_kv_heads for g in geometry],
+        "num_kv_heads": [g.num_kv_heads for g in lm.geometry],
         "kv_cache_bytes_per_token": {"before": before["kv_cache_bytes_per_token"],
                                      "after": after["kv_cache_bytes_per_token"]},
         "options": {"kv_rank": req.kv_rank, "rope_dim": rope_dim, "damping": req.damping,
@@ -103,7 +131,21 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
                                              "refit", "eval_before", "eval_after", "calibration_data", "heldout_data",
                                              "eval_data")},
     }
-    written = write_output(req.output, model=conv.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
+    return MlaRun(conv, summary, meta)
+
+
+def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
+    """Check, load, calibrate, convert, write; returns the summary (also recorded in headtool.json)."""
+    req.validate()
+    if req.output is None:
+        raise UsageError("convert-mla needs -o OUT (the output folder)")
+    lm = load_model(req.model, **req.load.kwargs())
+    require_resident_weights(lm.model, "convert-mla", CONVERT_INSTEAD)
+    latent_target(lm, req)  # an impossible target is refused before the output folder is looked at
+    check_output_target(req.output, lm.path, req.overwrite)
+    done = convert_mla_loaded(lm, req)
+    summary = done.summary
+    written = write_output(req.output, model=done.conv.model, tokenizer=lm.tokenizer, source=lm, meta=done.meta,
                            card_table=card_table(summary), overwrite=req.overwrite, shard_size=req.shard_size)
     summary["config_kind"] = written["config_kind"]
     summary["path"] = written["path"]

@@ -2,7 +2,7 @@
 
 Each step builds its command's request from its keys (`build_request`) and runs the same
 function the command runs on the model it loaded (`score_loaded`, `prune_loaded`,
-`convert_loaded`, `eval_loaded`, `heal_loaded`); the final model is written once, with the
+`convert_loaded`, `convert_mla_loaded`, `eval_loaded`, `heal_loaded`); the final model is written once, with the
 resolved recipe in headtool.json and in the model card.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..optionspec import options_of
 from ..surgery.merging import check_target as check_kv
 from ..surgery.selection import check_target
 from .convert_gqa import convert_loaded
+from .convert_mla import convert_mla_loaded, latent_target
 from .evaluate import eval_loaded
 from .heal import heal_loaded
 from .prune import prune_loaded, prune_target
@@ -79,6 +80,9 @@ def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
     return cls(model=model, **kwargs, data=data)
 
 
+#: steps that change heads, which latent attention (convert_mla) does not have any more
+HEAD_SURGERY = ("prune", "convert_gqa", "convert_mla")
+
 #: how many blocks and which: a held-out or evaluation block says these itself (or takes its
 #: command's default, e.g. eval_samples), never from the recipe's calibration block
 CUT_KEYS = ("max_samples", "num_tokens", "skip_samples")
@@ -88,9 +92,16 @@ def check_geometry(ctx: Context) -> None:
     """Targets that are impossible for this model, all reported at once before any step runs."""
     problems: list[str] = []
     geometry = ctx.lm.geometry
+    latent = False  # a convert_mla step ran before: no head surgery on latent attention
     for i, step in enumerate(ctx.recipe.steps):
         where = f"{ctx.recipe.where(f'steps.{i}')}: steps.{i}"
         try:
+            if latent and step["step"] in HEAD_SURGERY:
+                raise UsageError(f"{step['step']} after convert_mla is not supported (the attention is latent "
+                                 "now): put it before convert_mla")
+            if step["step"] == "convert_mla":
+                latent = True  # (pruned KV heads are known only when prune runs: its check then)
+                latent_target(ctx.lm, build_request(ctx.recipe, step), geometry)
             if step["step"] == "prune" and step.get("heads") is None:
                 check_target(prune_target(build_request(ctx.recipe, step)), geometry)
             if step["step"] == "convert_gqa":
@@ -147,6 +158,24 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     return out
 
 
+def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
+    req = build_request(ctx.recipe, step)
+    done = convert_mla_loaded(ctx.lm, req, text_model=ctx.text_model, calib_device=ctx.calib_device)
+    ctx.lm.model = done.conv.model
+    s = done.summary
+    ctx.meta.update({k: done.meta[k] for k in ("kv_rank", "rope_dim", "rope_slots")})
+    out: dict[str, Any] = {"kv_rank": s["kv_rank"], "rope_dim": s["rope_dim"], "data": req.data.source,
+                           "calibration_blocks": s["calibration_data"]["samples"]}
+    if s["heldout_data"]:
+        out["heldout_data"] = s["heldout_data"].get("source")
+    if s["refit"]:
+        out["refits_kept"] = sum(bool(r["kept"]) for r in s["refit"])
+    if s["eval_before"]:
+        out["loss_before"], out["loss_after"] = s["eval_before"]["loss"], s["eval_after"]["loss"]
+        out["eval_data"] = s["eval_data"].get("source")
+    return out
+
+
 def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
     res = eval_loaded(ctx.lm, build_request(ctx.recipe, step), ctx.original, ctx.text_model)
     before, after = res["before"], res["after"]
@@ -167,8 +196,8 @@ def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
     return {**{k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc}, "data": req.data.source}
 
 
-STEPS = {"score": step_score, "prune": step_prune, "convert_gqa": step_convert, "eval": step_eval,
-         "heal": step_heal}
+STEPS = {"score": step_score, "prune": step_prune, "convert_gqa": step_convert, "convert_mla": step_convert_mla,
+         "eval": step_eval, "heal": step_heal}
 
 
 def _samples_itself(recipe: Recipe) -> bool:
@@ -181,7 +210,8 @@ def _samples_itself(recipe: Recipe) -> bool:
 def summary_row(step: str, figures: dict, info: dict, seconds: float) -> dict[str, Any]:
     return {"step": step, "heads": info["total_heads"], "kv_heads": info["total_kv_heads"],
             "params": info["params"], "kv_cache_bytes_per_token": info["kv_cache_bytes_per_token"],
-            "seconds": round(seconds, 2), **figures}
+            "seconds": round(seconds, 2),
+            **({"kv_rank": info["kv_rank"], "rope_dim": info["rope_dim"]} if "kv_rank" in info else {}), **figures}
 
 
 def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | None = None,
@@ -199,7 +229,7 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     ctx = Context(recipe, lm, calib_device=calib_device)
     check_geometry(ctx)
     offloaded = has_offloaded_weights(lm.model)
-    rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "heal")})
+    rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "convert_mla", "heal")})
     if rewrites or out:  # before any step runs, not in the middle of the recipe
         require_resident_weights(lm.model, f"{v['model']}: the recipe ({', '.join(rewrites) or 'its output'})",
                                  "use sequential: true (one layer at a time on the device) instead")

@@ -22,7 +22,7 @@ from ..data.sources import DataSpec, parse_sources
 from ..errors import UsageError
 from ..optionspec import STEP, Opt, options_of, problem
 from ..train.options import HealOptions
-from .requests import ConvertRequest, EvalRequest, HealRequest, PruneRequest, ScoreRequest
+from .requests import ConvertRequest, EvalRequest, HealRequest, LatentRequest, PruneRequest, ScoreRequest
 
 # --------------------------------------------------------------------------- schema
 Check = Callable[[Any], str | None]  # returns a problem or None
@@ -59,6 +59,7 @@ STEP_REQUESTS: dict[str, tuple[type, dict[str, type]]] = {
     "score": (ScoreRequest, {}),
     "prune": (PruneRequest, {}),
     "convert_gqa": (ConvertRequest, {}),
+    "convert_mla": (LatentRequest, {}),
     "eval": (EvalRequest, {}),
     "heal": (HealRequest, {"opts": HealOptions}),
 }

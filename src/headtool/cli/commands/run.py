@@ -8,6 +8,15 @@ import typer
 from ..options import JsonOpt
 
 
+def _kv(row: dict) -> str:
+    """KV heads, or the latent of latent attention (kv_rank + rotary key dims per layer)."""
+    if row.get("kv_rank") is None:
+        return str(row["kv_heads"])
+    r = row["kv_rank"]
+    rank = f"{min(r)}..{max(r)}" if isinstance(r, list) else str(r)
+    return f"latent {rank}+{row['rope_dim']}"
+
+
 def render_summary(result: dict) -> None:
     from rich.table import Table
 
@@ -20,7 +29,7 @@ def render_summary(result: dict) -> None:
     for r in result["steps"]:
         after = r.get("loss_after", r.get("loss"))
         ppl = r.get("perplexity")
-        t.add_row(r["step"], r.get("data", ""), str(r["heads"]), str(r["kv_heads"]), human_int(r["params"]),
+        t.add_row(r["step"], r.get("data", ""), str(r["heads"]), _kv(r), human_int(r["params"]),
                   human_bytes(r["kv_cache_bytes_per_token"]),
                   "" if r.get("loss_before") is None else f"{r['loss_before']:.4f}",
                   "" if after is None else f"{after:.4f}",
@@ -41,7 +50,7 @@ def run_cmd(
     check: Annotated[bool, typer.Option("--check", help="only validate the recipe")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run a recipe: model, data and steps (score, prune, convert_gqa, eval, heal) declared in YAML.
+    """Run a recipe: model, data and steps (score, prune, convert_gqa, convert_mla, eval, heal) declared in YAML.
 
     Every problem of a broken recipe is listed at once with its file:line:col, before anything runs.
 
