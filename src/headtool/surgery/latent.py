@@ -33,6 +33,7 @@ At full rank (kv_rank = every dim of Y, rope_dim = K x r) every step is exact.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -150,13 +151,40 @@ def _real_rows(z: torch.Tensor) -> torch.Tensor:
     return torch.cat([z.real, z.imag], dim=0)
 
 
+@dataclass
+class LayerProblem:
+    """One layer up to the choice of its rank: the rotary key and queries, the no-RoPE key map, Y
+    and its weighted spectrum (`spectrum[r]`: the weighted error that latent dim r + 1 removes,
+    in units comparable across layers, see `prepare_layer`)."""
+
+    slots: list[tuple[int, int]]
+    k_rope: torch.Tensor
+    q_rope: list[torch.Tensor]
+    lmap: torch.Tensor
+    n_k: int
+    y: torch.Tensor
+    s: torch.Tensor  # W^1/2 Y
+    w_inv: torch.Tensor  # W^-1/2
+    ev: torch.Tensor  # eigenvalues of S G~ S^T, descending
+    vec: torch.Tensor
+    scale: float  # ev x scale: absolute weighted error (value output energy units)
+    report: dict[str, Any]
+
+    @property
+    def spectrum(self) -> torch.Tensor:
+        return self.ev * self.scale
+
+
 @_one_thread
-def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int, kv_rank: int,
-                 damping: float = DEFAULT_DAMPING, rotate: bool = True,
-                 plane_weight: torch.Tensor | None = None, balance: str = "normalized",
-                 key_weight: float = DEFAULT_KEY_WEIGHT,
-                 scaling: float = 1.0) -> LatentLayer:
-    """Convert one layer's heads (see the module doc); `rotate=False` keeps the heads unmixed."""
+def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int,
+                  damping: float = DEFAULT_DAMPING, rotate: bool = True,
+                  plane_weight: torch.Tensor | None = None, balance: str = "normalized",
+                  key_weight: float = DEFAULT_KEY_WEIGHT, scaling: float = 1.0) -> LayerProblem:
+    """Steps 1-3 of the module doc for one layer, everything but the rank.
+
+    The spectrum is made comparable across layers (for `allocate_ranks`) by undoing the per-layer
+    normalization of the value part: errors are in units of the layer's output energy
+    (E|W_o v|^2), keys counted at `key_weight` of their layer's value total, as inside a layer."""
     H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
     P, n = rot_dim // 2, rope_dim // 2
     if n > P * K:
@@ -188,57 +216,118 @@ def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, r
         lmap[j, rot_dim:, 2 * nd + j * f: 2 * nd + (j + 1) * f] = torch.eye(f, dtype=lmap.dtype)
     c_v = b.v.reshape(K * d, -1)
     y = torch.cat([c_k, c_v])
-    n_y = y.shape[0]
     report: dict[str, Any] = {"rope_energy": float(lam[tuple(zip(*slots))].sum() / lam.sum().clamp_min(_EPS))}
 
-    if kv_rank >= n_y:  # full rank: the latent is Y itself
-        a_mat, b_mat = y.clone(), torch.eye(n_y, dtype=y.dtype)
+    gq = torch.einsum("hfd,de,hge->hfg", b.q[:, :, :], gram, b.q)  # E[q_h q_h^T] [H, d, d]
+    sens = torch.ones(H, dtype=y.dtype)
+    if balance == "output":
+        # first-order: a score error e moves head h's output by about e (v - mean v) through W_o^h
+        mean = gram[:, -1]
+        vm = torch.einsum("jfd,d->jf", b.v, mean)
+        cov = torch.einsum("jfd,de,jge->jfg", b.v, gram, b.v) - vm[:, :, None] * vm[:, None, :]
+        sens = torch.stack([scaling ** 2 * torch.trace(b.o[h].T @ cov[jh[h]] @ b.o[h]) for h in range(H)])
+    m_k = sum(sens[h] * lmap[jh[h]].T @ gq[h] @ lmap[jh[h]] for h in range(H)) if n_k else y.new_zeros(0, 0)
+    m_v = torch.zeros(K * d, K * d, dtype=y.dtype)
+    for h in range(H):
+        sl = slice(jh[h] * d, (jh[h] + 1) * d)
+        m_v[sl, sl] += b.o[h] @ b.o[h].T
+    g_reg = gram + damping * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+
+    def total_of(m: torch.Tensor, c: torch.Tensor) -> torch.Tensor | float:
+        # balance "normalized": K and V each relative to its own total (TransMLA's balancing)
+        return torch.trace(m @ c @ g_reg @ c.T).clamp_min(_EPS) if balance == "normalized" else 1.0
+
+    def root(m: torch.Tensor, c: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not m.numel():
+            return m, m
+        lam_m, vec = torch.linalg.eigh(scale * m / total_of(m, c))
+        lam_m = lam_m.clamp_min(0) + _WEIGHT_FLOOR * lam_m.clamp_min(0).mean() + _EPS
+        return (vec * lam_m.sqrt()) @ vec.T, (vec / lam_m.sqrt()) @ vec.T
+
+    rk, rk_inv = root(m_k, c_k, key_weight)
+    rv, rv_inv = root(m_v, c_v, 1.0)
+    w_half = torch.block_diag(rk, rv)
+    w_inv = torch.block_diag(rk_inv, rv_inv)
+    sy = w_half @ y
+    ev, vec = torch.linalg.eigh(sy @ g_reg @ sy.T)
+    ev, vec = ev.flip(0).clamp_min(0), vec.flip(1)
+    return LayerProblem(slots, k_rope, q_rope, lmap, n_k, y, sy, w_inv, ev, vec, float(total_of(m_v, c_v)),
+                        report)
+
+
+@_one_thread
+def finish_layer(pb: LayerProblem, b: Blocks, geo: LayerHeads, kv_rank: int) -> LatentLayer:
+    """Step 3's factorization at `kv_rank` and step 4 (the per-head up-projections)."""
+    H, d = geo.num_heads, geo.head_dim
+    jh = [geo.kv_head_of(h) for h in range(H)]
+    y, n_k = pb.y, pb.n_k
+    report = dict(pb.report)
+    if kv_rank >= y.shape[0]:  # full rank: the latent is Y itself
+        a_mat, b_mat = y.clone(), torch.eye(y.shape[0], dtype=y.dtype)
         report["latent_energy"] = 1.0
     else:
-        gq = torch.einsum("hfd,de,hge->hfg", b.q[:, :, :], gram, b.q)  # E[q_h q_h^T] [H, d, d]
-        sens = torch.ones(H, dtype=y.dtype)
-        if balance == "output":
-            # first-order: a score error e moves head h's output by about e (v - mean v) through W_o^h
-            mean = gram[:, -1]
-            vm = torch.einsum("jfd,d->jf", b.v, mean)
-            cov = torch.einsum("jfd,de,jge->jfg", b.v, gram, b.v) - vm[:, :, None] * vm[:, None, :]
-            sens = torch.stack([scaling ** 2 * torch.trace(b.o[h].T @ cov[jh[h]] @ b.o[h]) for h in range(H)])
-        m_k = sum(sens[h] * lmap[jh[h]].T @ gq[h] @ lmap[jh[h]] for h in range(H)) if n_k else y.new_zeros(0, 0)
-        m_v = torch.zeros(K * d, K * d, dtype=y.dtype)
-        for h in range(H):
-            s = slice(jh[h] * d, (jh[h] + 1) * d)
-            m_v[s, s] += b.o[h] @ b.o[h].T
-        g_reg = gram + damping * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
-
-        def root(m: torch.Tensor, c: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-            if not m.numel():
-                return m, m
-            # balance "normalized": K and V each relative to its own total (TransMLA's balancing)
-            total = torch.trace(m @ c @ g_reg @ c.T).clamp_min(_EPS) if balance == "normalized" else 1.0
-            lam_m, vec = torch.linalg.eigh(scale * m / total)
-            lam_m = lam_m.clamp_min(0) + _WEIGHT_FLOOR * lam_m.clamp_min(0).mean() + _EPS
-            return (vec * lam_m.sqrt()) @ vec.T, (vec / lam_m.sqrt()) @ vec.T
-
-        rk, rk_inv = root(m_k, c_k, key_weight)
-        rv, rv_inv = root(m_v, c_v, 1.0)
-        w_half = torch.block_diag(rk, rv)
-        w_inv = torch.block_diag(rk_inv, rv_inv)
-        s = w_half @ y
-        ev, vec = torch.linalg.eigh(s @ g_reg @ s.T)
-        ev, vec = ev.flip(0).clamp_min(0), vec.flip(1)
-        u_r = vec[:, :kv_rank]
-        a_mat, b_mat = u_r.T @ s, w_inv @ u_r
-        report["latent_energy"] = float(ev[:kv_rank].sum() / ev.sum().clamp_min(_EPS))
+        u_r = pb.vec[:, :kv_rank]
+        a_mat, b_mat = u_r.T @ pb.s, pb.w_inv @ u_r
+        report["latent_energy"] = float(pb.ev[:kv_rank].sum() / pb.ev.sum().clamp_min(_EPS))
 
     b_k, b_v = b_mat[:n_k], b_mat[n_k:]
     nope = d if n_k else 0
     q_rows, kv_b_rows = [], []
     for h in range(H):
         j = jh[h]
-        q_rows += ([b.q[h]] if nope else []) + [q_rope[h]]
-        kv_b_rows += ([lmap[j] @ b_k] if nope else []) + [b_v[j * d:(j + 1) * d]]
-    return LatentLayer(q=torch.cat(q_rows), kv_a=torch.cat([a_mat, k_rope]), kv_b=torch.cat(kv_b_rows), o=b.o,
-                       slots=slots, qk_nope_dim=nope, report=report)
+        q_rows += ([b.q[h]] if nope else []) + [pb.q_rope[h]]
+        kv_b_rows += ([pb.lmap[j] @ b_k] if nope else []) + [b_v[j * d:(j + 1) * d]]
+    return LatentLayer(q=torch.cat(q_rows), kv_a=torch.cat([a_mat, pb.k_rope]), kv_b=torch.cat(kv_b_rows), o=b.o,
+                       slots=pb.slots, qk_nope_dim=nope, report=report)
+
+
+def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int, kv_rank: int,
+                 damping: float = DEFAULT_DAMPING, rotate: bool = True,
+                 plane_weight: torch.Tensor | None = None, balance: str = "normalized",
+                 key_weight: float = DEFAULT_KEY_WEIGHT,
+                 scaling: float = 1.0) -> LatentLayer:
+    """Convert one layer's heads (see the module doc); `rotate=False` keeps the heads unmixed."""
+    pb = prepare_layer(b, geo, gram, rot_dim, rope_dim, damping, rotate, plane_weight, balance, key_weight, scaling)
+    return finish_layer(pb, b, geo, kv_rank)
+
+
+# --------------------------------------------------------------------------- ranks per layer
+RANK_ALLOCATIONS = ("uniform", "auto")
+
+
+def budget_dims(geometry: Sequence[LayerHeads], fraction: float) -> int:
+    """Cache dims per token (latent + rotary key, summed over layers) within `fraction` of today's
+    K/V dims: the budget in bytes is this times the element size."""
+    today = sum(2 * g.num_kv_heads * g.head_dim for g in geometry)
+    return int(math.floor(fraction * today + 1e-9))
+
+
+def ranks_for_budget(geometry: Sequence[LayerHeads], fraction: float, rope_dim: int) -> tuple[int, int]:
+    """(uniform kv_rank, total latent dims) that `--kv-cache fraction` allows with `rope_dim`: the
+    total is what auto allocation spreads (the budget met exactly); uniform takes total // layers."""
+    n = len(geometry)
+    total = budget_dims(geometry, fraction) - n * rope_dim
+    if total < n:
+        today = sum(2 * g.num_kv_heads * g.head_dim for g in geometry)
+        raise UsageError(f"--kv-cache {fraction:g}: {budget_dims(geometry, fraction)} cache dims per token for "
+                         f"{n} layers cannot hold --rope-dim {rope_dim} plus a latent of at least 1 in every layer "
+                         f"(today {today}); raise --kv-cache or lower --rope-dim")
+    return total // n, total
+
+
+def allocate_ranks(spectra: Sequence[torch.Tensor], total: int, minimum: int = 1) -> list[int]:
+    """kv_rank per layer summing to `total`: every layer starts at `minimum`, then each further
+    latent dim goes to the layer whose weighted error it lowers most (as CARE), which for
+    descending spectra is the `total - layers x minimum` largest of the remaining eigenvalues."""
+    tops = [len(s) for s in spectra]
+    if total > sum(tops) or total < minimum * len(spectra):
+        raise UsageError(f"a total latent of {total} dims does not fit {len(spectra)} layers of "
+                         f"{minimum}..{min(tops)} dims")
+    cands = [(-float(v), i, r) for i, s in enumerate(spectra) for r, v in enumerate(s.tolist()) if r >= minimum]
+    ranks = [minimum] * len(spectra)
+    for _, i, _ in sorted(cands)[: total - minimum * len(spectra)]:
+        ranks[i] += 1
+    return ranks
 
 
 # --------------------------------------------------------------------------- model level
@@ -280,7 +369,7 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
                          refit: bool = False, batches: Sequence[dict] | None = None,
                          heldout_batches: Sequence[dict] | None = None,
                          anchor: float | Sequence[float] = DEFAULT_ANCHOR, balance: str = "normalized",
-                         key_weight: float = DEFAULT_KEY_WEIGHT) -> LatentConverted:
+                         key_weight: float = DEFAULT_KEY_WEIGHT, allocation: str = "uniform") -> LatentConverted:
     """A copy of `original` (left untouched) whose attention layers are latent attention.
 
     `rope_dim` defaults to one head's rotary dims (as DeepSeek and TransMLA); `grams` are the
@@ -294,7 +383,11 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     worse where it is not: the low-frequency planes it leaves out carry much of the key energy).
     With `refit`, the output projections are refit sequentially on `batches` and kept per layer
     where they lower the error on `heldout_batches` (compensation.sequential_refit, `anchor`).
+    `allocation="auto"` keeps the total of `kv_rank` over layers and spreads it by the layers'
+    weighted spectra (`allocate_ranks`); "uniform" keeps `kv_rank` as given.
     """
+    if allocation not in RANK_ALLOCATIONS:
+        raise UsageError(f"--rank-allocation {allocation!r}: use {' or '.join(RANK_ALLOCATIONS)}")
     if balance not in BALANCES:
         raise UsageError(f"balance {balance!r}: use {' or '.join(BALANCES)}")
     if key_weight < 0:
@@ -324,10 +417,21 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     plane_weight = None
     if rope_context:
         plane_weight = position_weight(adapter.rotary_inv_freq(original), rope_context)
+    def blocks(i: int) -> Blocks:
+        return read_blocks(state, adapter, adapter.layer_prefix(original, i), geometry[i])
+
+    def problem(i: int) -> LayerProblem:
+        return prepare_layer(blocks(i), geometry[i], grams[i], rot, rope_dim, damping, rotate, plane_weight,
+                             balance, key_weight, adapter.attention_scaling(original, i))
+
+    problems: list[LayerProblem | None] = [None] * len(geometry)
+    if allocation == "auto":  # every layer's spectrum first, then the ranks, then the factorizations
+        problems = [problem(i) for i in range(len(geometry))]
+        ranks = allocate_ranks([p.spectrum for p in problems], sum(ranks))
     for i, geo in enumerate(geometry):
-        b = read_blocks(state, adapter, adapter.layer_prefix(original, i), geo)
-        layer = latent_layer(b, geo, grams[i], rot, rope_dim, ranks[i], damping, rotate, plane_weight, balance,
-                             key_weight, adapter.attention_scaling(original, i))
+        pb = problems[i] or problem(i)
+        problems[i] = None
+        layer = finish_layer(pb, blocks(i), geo, ranks[i])
         ob = biases[i].detach() if o_bias else None
         tensors.append(_module_tensors(layer, q_bias, kv_bias, ob, dtype))
         slots.append(layer.slots)

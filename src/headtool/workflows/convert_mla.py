@@ -24,6 +24,7 @@ from ..surgery.latent import (
     LatentConverted,
     check_latent_target,
     convert_model_latent,
+    ranks_for_budget,
     summary_figures,
 )
 from .data_plan import eval_spec, heldout_spec, with_default_blocks
@@ -58,7 +59,14 @@ def latent_target(lm: LoadedModel, req: LatentRequest, geometry=None) -> tuple[l
     geometry = lm.geometry if geometry is None else geometry
     rot = lm.adapter.rotary_dim(lm.config, geometry[0].head_dim) if lm.adapter.latent else 0
     rope_dim = req.rope_dim if req.rope_dim is not None else rot
-    return check_latent_target(lm.adapter, lm.config, geometry, req.kv_rank, rope_dim), rope_dim
+    kv_rank: int | list[int] = req.kv_rank if req.kv_rank is not None else 1
+    if req.kv_cache is not None:
+        check_latent_target(lm.adapter, lm.config, geometry, 1, rope_dim)  # family and rope_dim first
+        uniform, total = ranks_for_budget(geometry, req.kv_cache, rope_dim)
+        n = len(geometry)  # auto spreads the whole budget (this start is only its total)
+        kv_rank = uniform if req.rank_allocation == "uniform" else \
+            [total // n + (i < total % n) for i in range(n)]
+    return check_latent_target(lm.adapter, lm.config, geometry, kv_rank, rope_dim), rope_dim
 
 
 @dataclass
@@ -102,7 +110,8 @@ def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: Loade
     info(f"converting to latent attention: kv_rank {_ranks_text(ranks)}, rope_dim {rope_dim}")
     conv = convert_model_latent(lm.model, lm.adapter, ranks, rope_dim=rope_dim, grams=grams, damping=req.damping,
                                 refit=req.refit, batches=cal.batches, heldout_batches=held.batches if held else None,
-                                anchor=parse_anchor(req.anchor), key_weight=req.key_weight)
+                                anchor=parse_anchor(req.anchor), key_weight=req.key_weight,
+                                allocation=req.rank_allocation)
     ranks = list(conv.spec["kv_rank"])
     after = summary_figures(conv.model, lm.adapter)
     eval_after = evaluate(conv.model, ev.batches, objective, label="eval after") if ev else None
@@ -111,6 +120,7 @@ def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: Loade
         "qk_nope_dim": conv.spec["qk_nope_dim"], "before": before, "after": after,
         "kv_cache_reduction": before["kv_cache_bytes_per_token"] / max(after["kv_cache_bytes_per_token"], 1),
         "kv_cache_fraction": after["kv_cache_bytes_per_token"] / max(before["kv_cache_bytes_per_token"], 1),
+        "kv_cache_budget": req.kv_cache, "rank_allocation": req.rank_allocation,
         "layers": conv.layers, "refit": conv.refit, "seconds": round(conv.seconds, 2), "eval_before": eval_before,
         "eval_after": eval_after, "calibration_data": cal.info, "heldout_data": held.info if held else None,
         "eval_data": ev.info if ev else None,
@@ -125,9 +135,11 @@ def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: Loade
         "num_kv_heads": [g.num_kv_heads for g in lm.geometry],
         "kv_cache_bytes_per_token": {"before": before["kv_cache_bytes_per_token"],
                                      "after": after["kv_cache_bytes_per_token"]},
-        "options": {"kv_rank": req.kv_rank, "rope_dim": rope_dim, "damping": req.damping,
+        "rank_allocation": req.rank_allocation,
+        "options": {"kv_rank": req.kv_rank, "kv_cache": req.kv_cache, "rank_allocation": req.rank_allocation,
+                    "rope_dim": rope_dim, "damping": req.damping,
                     "key_weight": req.key_weight, "refit": req.refit, "anchor": req.anchor},
-        "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "kv_cache_fraction", "layers",
+        "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "kv_cache_fraction", "kv_cache_budget", "layers",
                                              "refit", "eval_before", "eval_after", "calibration_data", "heldout_data",
                                              "eval_data")},
     }

@@ -88,7 +88,7 @@ def _step_schema(name: str) -> dict[str, Check | str]:
 
 DATA_KEYS: dict[str, Check] = {o.name: _opt_check(o) for o in options_of(DataSpec)}
 STEP_KEYS: dict[str, dict[str, Check | str]] = {name: _step_schema(name) for name in STEP_REQUESTS}
-STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads")}
+STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads"), "convert_mla": ("kv_rank", "kv_cache")}
 
 TOP_KEYS: dict[str, Check | str] = {
     "name": _STR, "description": _STR, "model": _STR, "dtype": _enum("auto", "float32", "bfloat16", "float16"),

@@ -25,6 +25,7 @@ EVAL_OBJECTIVES = ("auto", "lm", "mlm", "classification")
 NORMALIZE = ("auto", "layer", "none")
 MERGE_METHODS = ("mean", "aligned", "fit")
 GROUPINGS = ("contiguous", "similarity")
+RANK_ALLOCATIONS = ("uniform", "auto")
 
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
 CALIBRATION_BLOCKS = 64
@@ -220,8 +221,14 @@ class LatentRequest:
     DeepSeek and TransMLA); the calibration (`data`) chooses the rotations and the latent."""
 
     model: str = _model()
-    kv_rank: int = option(help="latent dims per token and layer; the cache holds these plus --rope-dim "
-                          "(full rank, exact: 2 x KV heads x head_dim - --rope-dim)", min=1)
+    kv_rank: int | None = option(None, "latent dims per token and layer; the cache holds these plus --rope-dim "
+                                 "(full rank, exact: 2 x KV heads x head_dim - --rope-dim); or --kv-cache",
+                                 min=1)
+    kv_cache: float | None = option(None, "instead of --kv-rank: the cache budget, a fraction in (0, 1] of today's "
+                                    "KV-cache bytes per token (0.33: the MQA cache of a 3-KV-head model)", above=0)
+    rank_allocation: str = option("uniform", "uniform (the same kv_rank in every layer) | auto (the same total, "
+                                  "a different kv_rank per layer: each latent dim goes to the layer whose weighted "
+                                  "error it lowers most, from the calibration spectra)", choices=RANK_ALLOCATIONS)
     rope_dim: int | None = option(None, "dims of the rotary key shared by all query heads (even); default one "
                                   "head's rotary dims; KV heads x rotary dims keeps RoPE exact", min=2)
     output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
@@ -253,6 +260,11 @@ class LatentRequest:
         parse_anchor(self.anchor)
         if self.rope_dim is not None and self.rope_dim % 2:
             raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
+        if (self.kv_rank is None) == (self.kv_cache is None):
+            raise UsageError("convert-mla: give exactly one of --kv-rank R (latent dims per layer) or --kv-cache "
+                             "FRACTION (of today's KV-cache bytes per token)")
+        if self.kv_cache is not None and self.kv_cache > 1:
+            raise UsageError(f"--kv-cache {self.kv_cache:g}: must be a fraction in (0, 1] of today's KV cache")
 
 
 @dataclass(frozen=True)

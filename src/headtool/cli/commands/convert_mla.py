@@ -22,13 +22,18 @@ def _table(summary: dict[str, Any]):
     b, a = summary["before"], summary["after"]
     ranks = summary["kv_rank"]
     t.add_row("attention", f"{b['num_heads']} query heads / {b['num_kv_heads']} KV heads -> latent attention")
-    t.add_row("latent (kv_rank)", str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)} (per layer)")
+    t.add_row("latent (kv_rank)", str(ranks[0]) if len(set(ranks)) == 1 else
+              f"{', '.join(map(str, ranks))} (per layer, {summary.get('rank_allocation')} allocation)")
     t.add_row("shared rotary key", f"{summary['rope_dim']} dims")
     t.add_row("parameters", f"{human_int(b['params'])} -> {human_int(a['params'])} ({a['params'] - b['params']:+,})")
     t.add_row("KV cache per token", f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
                                     f"{human_bytes(a['kv_cache_bytes_per_token'])} "
                                     f"({100 * summary['kv_cache_fraction']:.1f}%, "
                                     f"{summary['kv_cache_reduction']:.2f}x smaller)")
+    if summary.get("kv_cache_budget") is not None:
+        budget = summary["kv_cache_budget"] * b["kv_cache_bytes_per_token"]
+        t.add_row("KV cache budget", f"--kv-cache {summary['kv_cache_budget']:g}: {budget:,.0f} B per token, "
+                                     f"{a['kv_cache_bytes_per_token']:,} B used")
     layers = summary["layers"]
     t.add_row("rotary key energy kept", f"{min(x['rope_energy'] for x in layers):.3f}..."
                                         f"{max(x['rope_energy'] for x in layers):.3f} (per layer)")
@@ -55,10 +60,12 @@ def convert_mla_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
     Per-frequency rotations across the KV heads (RoRoPE) move the position information into a
     rotary key of --rope-dim dims shared by all query heads; the rest of K and all of V become one
     --kv-rank latent (activation-whitened factorization on --data, default builtin:pydoc, 64
-    blocks). The cache holds the latent and the rotary key. The folder loads with
+    blocks); or --kv-cache FRACTION of today's cache bytes, split across layers uniformly or, with
+    --rank-allocation auto, by the layers' measured spectra. The cache holds the latent and the rotary key. The folder loads with
     trust_remote_code=True (a self-contained modeling file).
 
     Example: headtool convert-mla smollm2-135m --kv-rank 64 --rope-dim 64 -o smollm2-mla
+    Example: headtool convert-mla smollm2-135m --kv-cache 0.125 --rank-allocation auto -o smollm2-mla
     """
     from ...data.sources import DataSpec
     from ...workflows.convert_mla import run_convert_mla

@@ -1,0 +1,117 @@
+"""convert-mla --kv-cache: a budget in cache bytes, split across layers uniformly or by the layers'
+weighted spectra (--rank-allocation auto, as CARE); exactly one of --kv-rank / --kv-cache."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiny_models import sample_ids, save_tiny, tiny_model
+
+from headtool.arch import adapter_for
+from headtool.cli.app import app
+from headtool.measure.calibration import attention_input_grams
+from headtool.surgery import latent as L
+from headtool.workflows import requests
+
+runner = CliRunner()
+TODAY = 3 * 2 * 2 * 8 * 4  # tiny llama: 3 layers, 2 KV heads of 8 dims, K and V, fp32 bytes
+
+
+def _cli(src, out, *args):
+    return runner.invoke(app, ["convert-mla", str(src), "--rope-dim", "4", "--max-samples", "4", "--seq-len", "16",
+                               "--no-refit", "-o", str(out), "--json", *map(str, args)])
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.4])
+def test_the_budget_is_met_uniform_below_it_auto_exactly(tmp_path, fraction):
+    src = save_tiny("llama", tmp_path / "src")
+    dims = int(fraction * TODAY / 4)  # whole cache dims within the budget (48 at 0.5, 38 at 0.4)
+    for alloc in ("uniform", "auto"):
+        out = tmp_path / f"{alloc}-{fraction}"
+        r = _cli(src, out, "--kv-cache", fraction, "--rank-allocation", alloc)
+        assert r.exit_code == 0, r.stderr
+        doc = json.loads(r.stdout)
+        used = doc["after"]["kv_cache_bytes_per_token"]
+        assert used == sum((k + 4) * 4 for k in doc["kv_rank"]) <= fraction * TODAY
+        if alloc == "auto":
+            assert used == dims * 4 and sum(doc["kv_rank"]) == dims - 3 * 4
+        else:
+            assert doc["kv_rank"] == [(dims - 12) // 3] * 3
+        meta = json.loads((out / "headtool.json").read_text())
+        assert meta["kv_rank"] == doc["kv_rank"] and meta["rank_allocation"] == alloc
+        assert meta["options"]["kv_cache"] == fraction
+        assert "KV cache budget" in r.stderr
+
+
+def test_uniform_budget_equals_the_plain_kv_rank_run(tmp_path):
+    src = save_tiny("llama", tmp_path / "src")
+    assert _cli(src, tmp_path / "a", "--kv-cache", 0.5).exit_code == 0
+    assert _cli(src, tmp_path / "b", "--kv-rank", 12).exit_code == 0
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def _heavy_middle_layer(scale: float = 6.0):
+    """A tiny llama whose layer 1 has far more K/V energy than layers 0 and 2."""
+    model = tiny_model("llama", seed=4)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(scale)
+        attn.v_proj.weight.mul_(scale)
+    return model
+
+
+def test_auto_gives_more_rank_where_the_spectrum_is_heavier():
+    model = _heavy_middle_layer()
+    ad = adapter_for(model.config)
+    ids = sample_ids("llama", batch=2, seq=24, seed=7)
+    grams = attention_input_grams(model, ad, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    auto = L.convert_model_latent(model, ad, 8, rope_dim=4, grams=grams, allocation="auto")
+    ranks = auto.spec["kv_rank"]
+    assert sum(ranks) == 24 and ranks[1] > ranks[0] and ranks[1] > ranks[2], ranks
+    assert [x["kv_rank"] for x in auto.layers] == ranks
+    after = L.summary_figures(auto.model, ad)["kv_cache_bytes_per_token_per_layer"]
+    assert after == [(r + 4) * 4 for r in ranks]  # the template builds each layer at its own rank
+    uniform = L.convert_model_latent(model, ad, 8, rope_dim=4, grams=grams, allocation="uniform")
+    assert uniform.spec["kv_rank"] == [8, 8, 8]
+
+
+def test_allocate_ranks_is_the_greedy_choice():
+    spectra = [torch.tensor([9.0, 5.0, 1.0]), torch.tensor([8.0, 7.0, 6.0, 0.5])]
+    assert L.allocate_ranks(spectra, 5) == [2, 3]  # after 1 each: 7, 6, 5 are the largest drops
+    assert L.allocate_ranks(spectra, 2) == [1, 1]
+    with pytest.raises(Exception, match="does not fit"):
+        L.allocate_ranks(spectra, 8)
+    assert requests.RANK_ALLOCATIONS == L.RANK_ALLOCATIONS
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-rank", 8, "--kv-cache", 0.5], "exactly one of --kv-rank"),
+    ([], "exactly one of --kv-rank"),
+    (["--kv-cache", 1.5], "--kv-cache 1.5: must be a fraction in (0, 1]"),
+    (["--kv-cache", 0], "--kv-cache"),
+    (["--kv-cache", 0.1], "--kv-cache 0.1: 9 cache dims per token for 3 layers cannot hold --rope-dim 4"),
+    (["--kv-cache", 0.5, "--rank-allocation", "sideways"], "--rank-allocation must be one of uniform, auto"),
+])
+def test_bad_budgets_exit_2_with_one_line(tmp_path, args, needle):
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, tmp_path / "out", *args)
+    assert r.exit_code == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_takes_the_budget_and_needs_exactly_one_target(tmp_path):
+    src = save_tiny("llama", tmp_path / "src")
+    r = tmp_path / "r.yaml"
+    r.write_text(f"model: {src}\ndata: {{seq_len: 16, max_samples: 4}}\nsteps:\n"
+                 "  - convert_mla: {kv_cache: 0.5, rank_allocation: auto, rope_dim: 4, refit: false}\n")
+    res = runner.invoke(app, ["run", str(r), "--json"])
+    assert res.exit_code == 0, res.stderr
+    row = json.loads(res.stdout)["steps"][1]
+    assert sum(row["kv_rank"]) == 36 and row["kv_cache_bytes_per_token"] == TODAY // 2
+    assert row["kv_cache"] == 0.5 and row["rank_allocation"] == "auto"
+    r.write_text(f"model: {src}\nsteps:\n  - convert_mla: {{kv_cache: 0.5, kv_rank: 4}}\n")
+    res = runner.invoke(app, ["run", str(r), "--check"])
+    assert res.exit_code == 2 and "exactly one target of kv_rank, kv_cache" in res.stderr
