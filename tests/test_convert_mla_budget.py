@@ -115,3 +115,51 @@ def test_a_recipe_takes_the_budget_and_needs_exactly_one_target(tmp_path):
     r.write_text(f"model: {src}\nsteps:\n  - convert_mla: {{kv_cache: 0.5, kv_rank: 4}}\n")
     res = runner.invoke(app, ["run", str(r), "--check"])
     assert res.exit_code == 2 and "exactly one target of kv_rank, kv_cache" in res.stderr
+
+
+# ---------------------------------------------------------------- info, eval and inspect on MLA outputs
+def test_info_and_eval_show_the_latent_not_the_source_kv_heads(tmp_path):
+    src = save_tiny("llama", tmp_path / "src")
+    assert _cli(src, tmp_path / "mla", "--kv-cache", 0.5, "--rank-allocation", "auto").exit_code == 0
+    ranks = json.loads((tmp_path / "mla" / "headtool.json").read_text())["kv_rank"]
+    r = runner.invoke(app, ["info", str(tmp_path / "mla"), "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["kv_rank"] == (ranks if len(set(ranks)) > 1 else ranks[0]) and doc["rope_dim"] == 4
+    assert doc["kv_cache_bytes_per_token"] == TODAY // 2
+    assert doc["kv_cache_bytes_per_token_per_layer"] == [(k + 4) * 4 for k in ranks]
+    assert "latent attention" in r.stderr and "KV heads  (total" not in r.stderr
+    assert ", ".join(map(str, ranks)) in r.stderr or len(set(ranks)) == 1
+    r = runner.invoke(app, ["eval", str(src), str(tmp_path / "mla"), "--max-samples", "2", "--seq-len", "16",
+                            "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert "12/latent" in r.stderr and json.loads(r.stdout)["results"][1]["rope_dim"] == 4
+
+
+def test_inspect_reads_latent_attention_exactly(tmp_path):
+    """At full rank the latent model's attention is the original's, head by head: inspect reports
+    the same statistics; every query head shares the latent, so a layer is one group."""
+    from headtool.io.output import write_output
+    from headtool.model.loading import model_from_object
+
+    model = tiny_model("llama")
+    ad = adapter_for(model.config)
+    ids = sample_ids("llama", batch=2, seq=24, seed=7)
+    grams = attention_input_grams(model, ad, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    conv = L.convert_model_latent(model, ad, 32 - 16, rope_dim=16, grams=grams)
+    src = save_tiny("llama", tmp_path / "src")  # the same seed: the same weights, with a tokenizer
+    from tiny_models import tokenizer_for
+
+    write_output(tmp_path / "mla", model=conv.model, tokenizer=tokenizer_for("llama"),
+                 source=model_from_object(model), meta={"operation": "convert-mla"})
+    docs = []
+    for m in (src, tmp_path / "mla"):
+        r = runner.invoke(app, ["inspect", str(m), "--data", "builtin:pydoc", "--max-samples", "2", "--seq-len",
+                                "16", "--json"])
+        assert r.exit_code == 0, r.stderr
+        docs.append(json.loads(r.stdout))
+    a, b = docs
+    for key in ("entropy", "mean_distance", "first_token_mass", "output_rms"):
+        assert torch.allclose(torch.tensor(a["statistics"][key]), torch.tensor(b["statistics"][key]), atol=1e-4), key
+    assert b["kv_groups"]["group_size"] == [4, 4, 4] and a["kv_groups"]["group_size"] == [2, 2, 2]
+    assert b["model"]["kv_rank"] == 16

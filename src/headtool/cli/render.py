@@ -23,10 +23,13 @@ def human_bytes(n: int | float) -> str:
     return f"{n:.0f} B"
 
 
-def _fmt_list(v: Any) -> str:
+def _fmt_list(v: Any, every: bool = False) -> str:
+    """One value, or a per-layer range (`every`: each layer's value)."""
     if isinstance(v, list):
         lo, hi = min(v), max(v)
-        return f"{lo}..{hi} (per layer)" if lo != hi else str(lo)
+        if lo == hi:
+            return str(lo)
+        return f"{', '.join(map(str, v))} (per layer)" if every else f"{lo}..{hi} (per layer)"
     return str(v)
 
 
@@ -48,9 +51,10 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
         ("KV cache per token", f"{human_bytes(f['kv_cache_bytes_per_token'])} "
                                f"({f['kv_cache_bytes_per_token']:,} B)"),
     ]
-    if "kv_rank" in f:  # convert-mla output: the heads above are those the latent serves
-        rows.insert(4, ("latent attention", f"kv_rank {_fmt_list(f['kv_rank'])} + shared rotary key "
-                                            f"{f['rope_dim']} dims per token and layer"))
+    if "kv_rank" in f:  # convert-mla output: the cache holds a latent, not the source's KV heads
+        rows[3] = ("latent attention", f"kv_rank {_fmt_list(f['kv_rank'], every=True)} + shared rotary key "
+                                       f"{f['rope_dim']} dims per token and layer (replaces "
+                                       f"{_fmt_list(f['num_kv_heads'])} KV heads)")
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -73,7 +77,8 @@ def eval_table(result: dict[str, Any]) -> Table:
             r["model"], f"{r['loss']:.4f}", "" if r is base else f"{dl:+.4f}",
             f"{100 * r[metric]:.2f}%" if metric == "accuracy" else f"{r[metric]:.4f}",
             "" if r is base else f"{ratio:.3f}x", human_int(r["params"]),
-            f"{r['total_heads']}/{r['total_kv_heads']}", human_bytes(r["kv_cache_bytes_per_token"]),
+            f"{r['total_heads']}/{'latent' if r.get('kv_rank') is not None else r['total_kv_heads']}",
+            human_bytes(r["kv_cache_bytes_per_token"]),
         )
     return t
 

@@ -15,6 +15,7 @@ the previous position is a real, attendable key.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from ..arch.heads import extract_heads
 from ..console import progress
 from ..data.batches import to_device
 from ..errors import UsageError
+from ..model.latent import LatentAttention, latent_spec
 from .gates import capture_o_proj_inputs
 
 FORMAT = "headtool.inspect/1"
@@ -86,8 +88,29 @@ def eager_attention(model) -> Iterator[None]:
             model.set_attn_implementation(before)
 
 
+def _latent_probs(model, batch: dict) -> tuple[torch.Tensor, ...]:
+    """Latent attention (convert-mla): transformers records attention maps only from the family's
+    own attention classes, so read them from each LatentAttention's output (its eager attention
+    returns the per-query-head probabilities, in layer order)."""
+    mods = [m for m in model.modules() if isinstance(m, LatentAttention)]
+    got: dict[int, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, i=i: got.__setitem__(i, out[1]))
+             for i, m in enumerate(mods)]
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    finally:
+        for h in hooks:
+            h.remove()
+    if len(got) != len(mods) or any(got[i] is None for i in got):
+        raise UsageError("the latent attention layers returned no attention probabilities; inspect needs eager "
+                         "attention")
+    return tuple(got[i] for i in range(len(mods)))
+
+
 def attention_probs(model, batch: dict) -> tuple[torch.Tensor, ...]:
     """Attention probabilities of every layer, each [B, H, T, T] (the model must be eager)."""
+    if latent_spec(model.config):
+        return _latent_probs(model, batch)
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                 output_attentions=True)
     atts = getattr(out, "attentions", None)
@@ -314,6 +337,8 @@ def inspect_heads(model, adapter: Adapter, batches: Sequence[dict], *, top: int 
     if not batches:
         raise UsageError("inspect needs at least one batch of data")
     geometry = adapter.geometry(model.config)
+    if latent_spec(model.config):  # every query head reads the one latent: a single "KV group" per layer
+        geometry = [dataclasses.replace(g, num_kv_heads=1) for g in geometry]
     accs = [_LayerAcc.new(g) for g in geometry]
     ht = o_weight_tensor(adapter)
     maps = [head_output_maps(model, adapter, i, g) for i, g in enumerate(geometry)]

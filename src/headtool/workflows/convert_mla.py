@@ -107,7 +107,9 @@ def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: Loade
                           model=tm)
     eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
     before = summary_figures(lm.model, lm.adapter)
-    info(f"converting to latent attention: kv_rank {_ranks_text(ranks)}, rope_dim {rope_dim}")
+    info("converting to latent attention: " + (f"kv_rank {_ranks_text(ranks)}" if req.rank_allocation == "uniform"
+                                                else f"{sum(ranks)} latent dims over {len(ranks)} layers (auto)")
+         + f", rope_dim {rope_dim}")
     conv = convert_model_latent(lm.model, lm.adapter, ranks, rope_dim=rope_dim, grams=grams, damping=req.damping,
                                 refit=req.refit, batches=cal.batches, heldout_batches=held.batches if held else None,
                                 anchor=parse_anchor(req.anchor), key_weight=req.key_weight,

@@ -78,7 +78,8 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         figures = model_info(lm.model, lm.adapter)
         results.append({"model": ref, "path": lm.path, **res, "params": figures["params"],
                         "total_heads": figures["total_heads"], "total_kv_heads": figures["total_kv_heads"],
-                        "kv_cache_bytes_per_token": figures["kv_cache_bytes_per_token"]})
+                        "kv_cache_bytes_per_token": figures["kv_cache_bytes_per_token"],
+                        **{k: figures[k] for k in ("kv_rank", "rope_dim") if k in figures}})
         del lm
     return {"objective": resolved, "data": batches.info, "results": results}
 

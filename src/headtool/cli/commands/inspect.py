@@ -48,6 +48,9 @@ def _render_tables(doc: dict[str, Any]) -> None:
         con.print(heatmap_table("", _present(doc["statistics"][key]), fmt=fmt))
     groups = doc.get("kv_groups")
     if groups:
+        if doc.get("model", {}).get("kv_rank") is not None:
+            con.print("latent attention: every query head of a layer reads the one latent, so each layer is "
+                      "one group (kv0) below")
         for key, title in _GROUP_SHOWN.items():
             con.print(f"[bold]{title}[/bold] (kv_groups.{key})")
             con.print(heatmap_table("", _present(groups[key]), col_label="kv"))
@@ -79,6 +82,9 @@ def _write_plots(out: Path, doc: dict[str, Any], lm, batches, heads, text: str |
                                     title=f"{title}\n{lm.ref}", colorbar_label=key))
     groups = doc.get("kv_groups")
     if groups:
+        if doc.get("model", {}).get("kv_rank") is not None:
+            con.print("latent attention: every query head of a layer reads the one latent, so each layer is "
+                      "one group (kv0) below")
         for key, title in _GROUP_SHOWN.items():
             written.append(plot_heatmap(_nan_for_none(groups[key]), str(out / f"kv_group_{key}.png"),
                                         title=f"{title}\n{lm.ref}", colorbar_label=key, col_label="KV head"))
