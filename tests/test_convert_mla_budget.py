@@ -155,9 +155,10 @@ def test_inspect_reads_latent_attention_exactly(tmp_path):
     docs = []
     for m in (src, tmp_path / "mla"):
         r = runner.invoke(app, ["inspect", str(m), "--data", "builtin:pydoc", "--max-samples", "2", "--seq-len",
-                                "16", "--json"])
+                                "16", "--json", "--heads", "1:2", "--plot", str(tmp_path / f"plots-{m.name}")])
         assert r.exit_code == 0, r.stderr
         docs.append(json.loads(r.stdout))
+    assert (tmp_path / "plots-mla" / "attention_L1_H2.png").exists() and "one group (kv0)" in r.stderr
     a, b = docs
     for key in ("entropy", "mean_distance", "first_token_mass", "output_rms"):
         assert torch.allclose(torch.tensor(a["statistics"][key]), torch.tensor(b["statistics"][key]), atol=1e-4), key

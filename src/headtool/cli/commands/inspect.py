@@ -82,9 +82,6 @@ def _write_plots(out: Path, doc: dict[str, Any], lm, batches, heads, text: str |
                                     title=f"{title}\n{lm.ref}", colorbar_label=key))
     groups = doc.get("kv_groups")
     if groups:
-        if doc.get("model", {}).get("kv_rank") is not None:
-            con.print("latent attention: every query head of a layer reads the one latent, so each layer is "
-                      "one group (kv0) below")
         for key, title in _GROUP_SHOWN.items():
             written.append(plot_heatmap(_nan_for_none(groups[key]), str(out / f"kv_group_{key}.png"),
                                         title=f"{title}\n{lm.ref}", colorbar_label=key, col_label="KV head"))
