@@ -1,0 +1,196 @@
+"""Latent attention (convert-mla) against merged K/V heads at the same cache: SmolLM2-135M, no training.
+
+Rows: the original; `convert-mla --kv-cache F` for every budget of --budgets (default a third of
+the cache, the MQA budget of a 3-KV-head model, and an eighth), each with --rank-allocation
+uniform and auto; and `convert-gqa --kv-heads 1 --merge fit` (a third of the cache). Every row runs
+the workflow function its command runs (`convert_mla_loaded`, `convert_loaded`) on the same
+calibration blocks (--cal blocks of --calibration, default `builtin:pydoc+self`; --held more of
+it for the refit checks) and is evaluated on the evaluation sets of bench_cross_domain.py (news,
+legal: text no calibration saw; in-domain pydoc last, which flatters). Reported per row:
+perplexity (ratio to the original) per set, KV-cache bytes per token (as computed from the
+model: latent + rotary key, or K and V heads), and decode tokens/s with a --context token
+prompt (`measure.speed.measure_models`, the code behind `headtool eval --speed`: all rows timed
+interleaved on the same prompt, median of --repeats).
+
+    HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_mla.py
+
+writes benchmarks/results/mla.json (after every row; a partial run keeps its rows) and prints the
+markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: shared cores
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cross_domain, run as a script
+
+from bench_cross_domain import evaluation_sets, perplexities  # noqa: E402
+
+from headtool.data.sources import DataSpec  # noqa: E402
+from headtool.measure.speed import SpeedSpec, measure_models, speed_input_ids  # noqa: E402
+from headtool.model.info import model_info  # noqa: E402
+from headtool.model.loading import load_model  # noqa: E402
+from headtool.workflows.convert_gqa import convert_loaded  # noqa: E402
+from headtool.workflows.convert_mla import convert_mla_loaded  # noqa: E402
+from headtool.workflows.requests import ConvertRequest, LatentRequest  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MODEL = "smollm2-135m"
+ALLOCATIONS = ("uniform", "auto")
+
+
+def parse_budgets(text: str) -> list[tuple[float, str, int | None]]:
+    """'1/3:64,1/8:16' -> [(fraction, its spelling, rope_dim)]; a budget without ':D' keeps the default rope_dim."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        frac, _, rope = item.partition(":")
+        out.append((float(Fraction(frac)), frac, int(rope) if rope else None))
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.2f}"
+
+
+def render(doc: dict) -> str:
+    """Markdown: perplexity (ratio) per evaluation set, cache per token, decode tokens/s (ratio)."""
+    order = doc["order"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    head = ["change", "kv_rank per layer", *labels, "KV cache / token", f"decode tok/s @ {doc['settings']['context']}"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
+    base_bytes = doc["rows"][0]["kv_cache_bytes_per_token"]
+    for r in doc["rows"]:
+        cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)" for n in order]
+        ranks = r.get("kv_rank")
+        rank = "-" if ranks is None else (str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)}")
+        speed = r.get("speed") or {}
+        dec = speed.get("decode_tokens_per_s")
+        ratio = (speed.get("ratio") or {}).get("decode_tokens_per_s")
+        lines.append("| " + " | ".join([r["change"], rank, *cells,
+                                          f"{r['kv_cache_bytes_per_token']:,} B "
+                                          f"({r['kv_cache_bytes_per_token'] / base_bytes:.3f}x)",
+                                          "-" if dec is None else f"{dec:.2f} ({ratio:.2f}x)"]) + " |")
+    lines += ["", f"`{doc['command']}`"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=MODEL, help="the model (a tiny local folder for a smoke run)")
+    ap.add_argument("--calibration", default="builtin:pydoc+self", help="calibration --data source")
+    ap.add_argument("--budgets", default="1/3:64,1/8:16",
+                    help="comma list of FRACTION[:ROPE_DIM]: --kv-cache and --rope-dim of the convert-mla rows")
+    ap.add_argument("--allocations", default=",".join(ALLOCATIONS), help="--rank-allocation of the rows")
+    ap.add_argument("--gqa", default="fit", help="convert-gqa --kv-heads 1 merge of the comparison row ('' for none)")
+    ap.add_argument("--cal", type=int, default=32, help="calibration blocks")
+    ap.add_argument("--held", type=int, default=8, help="held-out blocks after them (refit checks)")
+    ap.add_argument("--eval", type=int, default=16, help="evaluation blocks of every set")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--min-blocks", type=int, default=64, help="fail when an evaluation text gives fewer blocks")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens of the decode timing")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--no-speed", action="store_true", help="skip the decode timing")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "mla.json")
+    a = ap.parse_args(argv)
+    budgets = parse_budgets(a.budgets)
+    allocations = [x.strip() for x in a.allocations.split(",") if x.strip()]
+    if any(x not in ALLOCATIONS for x in allocations):
+        ap.error(f"--allocations: use {', '.join(ALLOCATIONS)}")
+    import torch
+    import transformers
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    command = " ".join(["python", "benchmarks/bench_mla.py", *(argv if argv is not None else sys.argv[1:])])
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    lm = load_model(a.model, dtype="float32", device="cpu")
+    tok = lm.tokenizer
+    domains, evals = evaluation_sets(tok, seq_len=a.seq_len, batch_size=a.batch_size, n_eval=a.eval,
+                                     used=a.cal + a.held, min_blocks=a.min_blocks, log=log)
+    spec = DataSpec(source=a.calibration, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
+    doc: dict = {"model": a.model, "dtype": "float32", "command": command,
+                 "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                              "transformers": transformers.__version__},
+                 "settings": {"calibration": a.calibration, "budgets": [[s, r] for _, s, r in budgets],
+                              "allocations": allocations, "gqa": a.gqa, "cal": a.cal, "held": a.held,
+                              "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
+                              "context": a.context, "new_tokens": a.new_tokens, "repeats": a.repeats,
+                              "threads": torch.get_num_threads(),
+                              "convert_mla": "convert_mla_loaded: --kv-cache F --rope-dim D --rank-allocation A, "
+                                             "--heldout-samples HELD, refit on (the defaults otherwise)",
+                              "convert_gqa": "convert_loaded: --kv-heads 1 --merge M --heldout-samples HELD"},
+                 "domains": domains, "order": list(domains), "rows": []}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    models: list[tuple[str, object]] = []
+
+    def save() -> None:
+        doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        a.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+    base: dict = {}
+
+    def add(row: dict, model) -> None:
+        t0 = time.perf_counter()
+        row["eval"], _ = perplexities(model, evals)
+        row["eval_seconds"] = round(time.perf_counter() - t0, 1)
+        if not base:
+            base.update(row["eval"])
+        for name, r in row["eval"].items():
+            r["ratio"] = r["perplexity"] / base[name]["perplexity"]
+        info = model_info(model, lm.adapter)
+        row.update(kv_cache_bytes_per_token=info["kv_cache_bytes_per_token"], params=info["params"])
+        doc["rows"].append(row)
+        models.append((row["change"], model))
+        save()
+        cells = "  ".join(f"{n} {_fmt(r['perplexity'])} ({r['ratio']:.2f}x)" for n, r in row["eval"].items())
+        log(f"{row['change']:<40} {cells}  cache {row['kv_cache_bytes_per_token']:,} B")
+
+    add({"change": "none (original)", "kind": "original"}, lm.model)
+    for fraction, spelled, rope in budgets:
+        for alloc in allocations:
+            t0 = time.perf_counter()
+            req = LatentRequest(model=a.model, kv_cache=fraction, rope_dim=rope, rank_allocation=alloc, data=spec,
+                                heldout_samples=a.held)
+            done = convert_mla_loaded(lm, req, text_model=lm)
+            s = done.summary
+            add({"change": f"convert-mla, {spelled} of the cache, {alloc}", "kind": "mla", "kv_cache": fraction,
+                 "rank_allocation": alloc, "rope_dim": s["rope_dim"], "kv_rank": s["kv_rank"],
+                 "refits_kept": sum(bool(r["kept"]) for r in s["refit"] or []),
+                 "surgery_seconds": round(time.perf_counter() - t0, 1)}, done.conv.model)
+    if a.gqa:
+        t0 = time.perf_counter()
+        req = ConvertRequest(model=a.model, kv_heads=1, merge=a.gqa, data=spec, heldout_samples=a.held)
+        conv = convert_loaded(lm, req, text_model=lm)
+        add({"change": f"convert-gqa --kv-heads 1, merge {a.gqa}", "kind": "gqa", "method": a.gqa,
+             "surgery_seconds": round(time.perf_counter() - t0, 1)}, conv.best.model)
+    if not a.no_speed:
+        sspec = SpeedSpec(batch=1, context=a.context, new_tokens=a.new_tokens, repeats=a.repeats, warmup=a.warmup)
+        ids = speed_input_ids(tok, sspec)
+        log(f"decode timing: {len(models)} models, context {a.context}, {a.new_tokens} new tokens, "
+            f"{a.repeats} rounds")
+        speeds = measure_models([(name, m, True) for name, m in models], ids, sspec,
+                                on_round=lambda i: log(f"speed round {i + 1}/{a.repeats}"))
+        for row, sp in zip(doc["rows"], speeds):
+            row["speed"] = sp
+        save()
+    print(render(doc))
+
+
+if __name__ == "__main__":
+    main()
