@@ -54,12 +54,18 @@ def test_uniform_budget_equals_the_plain_kv_rank_run(tmp_path):
 
 
 def _heavy_middle_layer(scale: float = 6.0):
-    """A tiny llama whose layer 1 has far more K/V energy than layers 0 and 2."""
+    """A tiny llama whose layer 1 has far more K/V energy than layers 0 and 2, spread over many
+    directions: the K and V projections of layers 0 and 2 are cut to rank 2 (their energy sits in
+    a few latent dims), layer 1's are full rank and scaled up."""
     model = tiny_model("llama", seed=4)
-    attn = model.model.layers[1].self_attn
     with torch.no_grad():
-        attn.k_proj.weight.mul_(scale)
-        attn.v_proj.weight.mul_(scale)
+        for i, layer in enumerate(model.model.layers):
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if i == 1:
+                    proj.weight.mul_(scale)
+                else:
+                    u, sv, vh = torch.linalg.svd(proj.weight, full_matrices=False)
+                    proj.weight.copy_((u[:, :2] * sv[:2]) @ vh[:2])
     return model
 
 

@@ -155,7 +155,7 @@ def _real_rows(z: torch.Tensor) -> torch.Tensor:
 class LayerProblem:
     """One layer up to the choice of its rank: the rotary key and queries, the no-RoPE key map, Y
     and its weighted spectrum (`spectrum[r]`: the weighted error that latent dim r + 1 removes,
-    in units comparable across layers, see `prepare_layer`)."""
+    relative to the layer's own K and V totals, see `prepare_layer`)."""
 
     slots: list[tuple[int, int]]
     k_rope: torch.Tensor
@@ -167,12 +167,11 @@ class LayerProblem:
     w_inv: torch.Tensor  # W^-1/2
     ev: torch.Tensor  # eigenvalues of S G~ S^T, descending
     vec: torch.Tensor
-    scale: float  # ev x scale: absolute weighted error (value output energy units)
     report: dict[str, Any]
 
     @property
     def spectrum(self) -> torch.Tensor:
-        return self.ev * self.scale
+        return self.ev
 
 
 @_one_thread
@@ -182,9 +181,10 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
                   key_weight: float = DEFAULT_KEY_WEIGHT, scaling: float = 1.0) -> LayerProblem:
     """Steps 1-3 of the module doc for one layer, everything but the rank.
 
-    The spectrum is made comparable across layers (for `allocate_ranks`) by undoing the per-layer
-    normalization of the value part: errors are in units of the layer's output energy
-    (E|W_o v|^2), keys counted at `key_weight` of their layer's value total, as inside a layer."""
+    Its spectrum is what `allocate_ranks` compares across layers: the share of the layer's own
+    weighted V energy (and, at `key_weight`, K energy) that each latent dim keeps. Relative, not
+    absolute: attention output energy grows with depth, and absolute units gave the first layer of
+    SmolLM2-135M a rank of 1 at a third of the cache (a smoke run of benchmarks/bench_mla.py)."""
     H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
     P, n = rot_dim // 2, rope_dim // 2
     if n > P * K:
@@ -251,8 +251,7 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
     sy = w_half @ y
     ev, vec = torch.linalg.eigh(sy @ g_reg @ sy.T)
     ev, vec = ev.flip(0).clamp_min(0), vec.flip(1)
-    return LayerProblem(slots, k_rope, q_rope, lmap, n_k, y, sy, w_inv, ev, vec, float(total_of(m_v, c_v)),
-                        report)
+    return LayerProblem(slots, k_rope, q_rope, lmap, n_k, y, sy, w_inv, ev, vec, report)
 
 
 @_one_thread
@@ -317,8 +316,8 @@ def ranks_for_budget(geometry: Sequence[LayerHeads], fraction: float, rope_dim: 
 
 def allocate_ranks(spectra: Sequence[torch.Tensor], total: int, minimum: int = 1) -> list[int]:
     """kv_rank per layer summing to `total`: every layer starts at `minimum`, then each further
-    latent dim goes to the layer whose weighted error it lowers most (as CARE), which for
-    descending spectra is the `total - layers x minimum` largest of the remaining eigenvalues."""
+    latent dim goes to the layer whose (relative) weighted error it lowers most (as CARE), which
+    for descending spectra is the `total - layers x minimum` largest of the remaining eigenvalues."""
     tops = [len(s) for s in spectra]
     if total > sum(tops) or total < minimum * len(spectra):
         raise UsageError(f"a total latent of {total} dims does not fit {len(spectra)} layers of "
