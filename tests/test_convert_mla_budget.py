@@ -142,6 +142,29 @@ def test_info_and_eval_show_the_latent_not_the_source_kv_heads(tmp_path):
     assert "12/latent" in r.stderr and json.loads(r.stdout)["results"][1]["rope_dim"] == 4
 
 
+def test_per_layer_ranks_reload_with_plain_transformers(tmp_path):
+    """The modeling file builds each layer at its own rank: trust_remote_code and headtool's loader agree."""
+    from transformers import AutoModelForCausalLM
+
+    from headtool.model.loading import load_model
+    from tiny_models import logits_of
+
+    model = _heavy_middle_layer()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    from tiny_models import tokenizer_for
+
+    tokenizer_for("llama").save_pretrained(src)
+    assert _cli(src, tmp_path / "mla", "--kv-cache", 0.5, "--rank-allocation", "auto").exit_code == 0
+    ranks = json.loads((tmp_path / "mla" / "headtool.json").read_text())["kv_rank"]
+    assert len(set(ranks)) > 1, ranks
+    remote = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", trust_remote_code=True).eval()
+    ours = load_model(str(tmp_path / "mla"), dtype="float32", device="cpu").model
+    ids = sample_ids("llama", seed=3)
+    assert (logits_of(remote, ids) - logits_of(ours, ids)).abs().max().item() <= 1e-5
+    assert [m.kv_rank for m in remote.modules() if type(m).__name__ == "LatentAttention"] == ranks
+
+
 def test_inspect_reads_latent_attention_exactly(tmp_path):
     """At full rank the latent model's attention is the original's, head by head: inspect reports
     the same statistics; every query head shares the latent, so a layer is one group."""

@@ -65,7 +65,7 @@ def convert_mla_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
     trust_remote_code=True (a self-contained modeling file).
 
     Example: headtool convert-mla smollm2-135m --kv-rank 64 --rope-dim 64 -o smollm2-mla
-    Example: headtool convert-mla smollm2-135m --kv-cache 0.125 --rank-allocation auto -o smollm2-mla
+    Example: headtool convert-mla smollm2-135m --kv-cache 0.125 --rope-dim 16 --rank-allocation auto -o smollm2-mla
     """
     from ...data.sources import DataSpec
     from ...workflows.convert_mla import run_convert_mla
