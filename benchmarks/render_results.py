@@ -203,7 +203,24 @@ def heal_cross_domain_section(doc: dict) -> str:
     ])
 
 
+def mla_section(doc: dict) -> str:
+    from bench_mla import render
+
+    s = doc["settings"]
+    return "\n".join([
+        "### Latent attention (convert-mla) against merged K/V heads at the same cache: SmolLM2-135M, no training",
+        "",
+        f"Calibration: {s['cal']} blocks of {s['seq_len']} tokens of `{s['calibration']}` ({s['held']} more held out "
+        "for the refit checks); evaluation sets as in the out-of-domain table. Perplexity (ratio to the original), "
+        f"KV-cache bytes per token as the model computes them, decode tokens/s after a {s['context']}-token prompt "
+        "(all rows timed interleaved, median).",
+        "",
+        render(doc),
+    ])
+
+
 SECTIONS = [("cross_domain.json", cross_domain_section), ("heal_cross_domain.json", heal_cross_domain_section),
+            ("mla.json", mla_section),
             ("quality.json", quality_section), ("heal.json", heal_section), ("heal-*.json", heal_section),
             ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]
 
