@@ -89,6 +89,7 @@ def test_every_recipe_key_of_a_step_is_a_cli_option(step):
 def test_the_methods_the_code_supports_are_accepted_by_both():
     from headtool.measure.objectives import OBJECTIVES
     from headtool.measure.scoring import METHODS
+    from headtool.surgery.latent import RANK_ALLOCATIONS
     from headtool.surgery.merging import GROUPINGS
     from headtool.surgery.merging import METHODS as MERGES
     from headtool.train.healing import TRAIN_MODES
@@ -97,9 +98,11 @@ def test_the_methods_the_code_supports_are_accepted_by_both():
     assert set(requests.MERGE_METHODS) == set(MERGES)
     assert set(requests.GROUPINGS) == set(GROUPINGS)
     assert set(requests.OBJECTIVES) == {"auto", *OBJECTIVES}
+    assert set(requests.RANK_ALLOCATIONS) == set(RANK_ALLOCATIONS)
     for step, key, values in [("score", "method", METHODS), ("prune", "method", METHODS),
                               ("convert_gqa", "merge", MERGES), ("convert_gqa", "grouping", GROUPINGS),
                               ("heal", "train", TRAIN_MODES), ("score", "objective", requests.OBJECTIVES),
+                              ("convert_mla", "rank_allocation", RANK_ALLOCATIONS),
                               ("score", "normalize", ("auto", "layer", "none"))]:
         opt = step_options(step)[key]
         for v in values:
