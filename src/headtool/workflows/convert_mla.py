@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
-from ..data.batches import make_batches
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -27,7 +26,7 @@ from ..surgery.latent import (
     ranks_for_budget,
     summary_figures,
 )
-from .data_plan import eval_spec, heldout_spec, with_default_blocks
+from .data_plan import calibration_blocks, with_default_blocks
 from .requests import LatentRequest, parse_anchor
 
 
@@ -89,22 +88,11 @@ def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: Loade
     spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
     objective = resolve_objective("auto", lm.task)
     data_task = DATA_TASK[objective]
-    cal = make_batches(spec, lm.tokenizer, data_task, model=tm)
-    used = spec.skip_samples + cal.info["samples"]
-    held = None
-    n_held = req.heldout_samples if req.heldout_samples is not None else max(4, cal.info["samples"] // 4)
-    if req.refit and n_held > 0:
-        hspec = heldout_spec(spec, req.heldout_data, n_held, used)
-        held = make_batches(hspec, lm.tokenizer, data_task, model=tm)
-        if hspec.source == spec.source:
-            used += held.info["samples"]
-    info(f"calibrating on {cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
-         + (f" ({held.info['samples']} held out from {held.info.get('source')})" if held else ""))
+    blocks = calibration_blocks(spec, lm.tokenizer, data_task, tm, calibrate=True, hold_out=req.refit,
+                                heldout_samples=req.heldout_samples, heldout_data=req.heldout_data,
+                                eval_data=req.eval_data, eval_samples=req.eval_samples)
+    cal, held, ev = blocks.cal, blocks.held, blocks.ev
     grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
-    ev = None
-    if req.eval_data:
-        ev = make_batches(eval_spec(spec, req.eval_data, req.eval_samples, used)[0], lm.tokenizer, data_task,
-                          model=tm)
     eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
     before = summary_figures(lm.model, lm.adapter)
     info("converting to latent attention: " + (f"kv_rank {_ranks_text(ranks)}" if req.rank_allocation == "uniform"

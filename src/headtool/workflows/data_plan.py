@@ -3,8 +3,11 @@ held-out blocks after them, and evaluation blocks disjoint from both. Shared by 
 the recipe steps, so one --data means the same blocks in either."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
+from ..console import info
+from ..data.batches import Batches, make_batches
 from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
 
@@ -63,3 +66,38 @@ def heldout_spec(spec: DataSpec, heldout_data: str | DataSpec | None, blocks: in
         return replace(spec, skip_samples=used, max_samples=blocks, num_tokens=None)
     return replace(spec, source=heldout_data, split=None, text_column=None, label_column=None,
                    skip_samples=0, max_samples=blocks, num_tokens=None)
+
+
+@dataclass
+class CalibrationBlocks:
+    """The blocks a data-aware conversion reads: calibration, held-out (refit and merge choices),
+    evaluation (reported only), and how many blocks of --data the first two used."""
+
+    cal: Batches | None = None
+    held: Batches | None = None
+    ev: Batches | None = None
+    used: int = 0
+
+
+def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *, calibrate: bool,
+                       hold_out: bool, heldout_samples: int | None, heldout_data: str | DataSpec | None,
+                       eval_data: str | DataSpec | None, eval_samples: int) -> CalibrationBlocks:
+    """Calibration blocks of `spec` (when `calibrate`), `heldout_samples` held-out blocks after them
+    (None: a quarter of the calibration, at least 4; when `hold_out`), and `eval_samples` blocks of
+    `eval_data` after both when it is the same source. `model` is what `self` text is sampled
+    from. convert-gqa and convert-mla (and their recipe steps) cut their data here."""
+    out = CalibrationBlocks()
+    if calibrate:
+        out.cal = make_batches(spec, tokenizer, task, model=model)
+        out.used = spec.skip_samples + out.cal.info["samples"]
+        n_held = heldout_samples if heldout_samples is not None else max(4, out.cal.info["samples"] // 4)
+        if hold_out and n_held > 0:
+            hspec = heldout_spec(spec, heldout_data, n_held, out.used)
+            out.held = make_batches(hspec, tokenizer, task, model=model)
+            if hspec.source == spec.source:
+                out.used += out.held.info["samples"]
+        info(f"calibrating on {out.cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
+             + (f" ({out.held.info['samples']} held out from {out.held.info.get('source')})" if out.held else ""))
+    if eval_data:
+        out.ev = make_batches(eval_spec(spec, eval_data, eval_samples, out.used)[0], tokenizer, task, model=model)
+    return out
