@@ -78,15 +78,22 @@ def config_from_headtool_folder(path: str | Path, raw_config: Mapping):
     raw[LAYOUT_KEY] = layout
     if RESIZE_SPEC_KEY not in raw:
         raise UsageError(f"{where}: {LAYOUT_KEY} without {RESIZE_SPEC_KEY}; not a headtool output")
-    try:
-        config = CONFIG_MAPPING[model_type].from_dict(raw)
-    except Exception as e:  # noqa: BLE001 - config validators raise many types
-        raise UsageError(f"{where}: cannot read the config: {str(e).splitlines()[0]}") from e
+    config = _family_config(raw, where)
     adapter = adapter_for(config)
     if len(layout["num_heads"]) != adapter.num_layers(config):
         raise UsageError(f"{where}: {LAYOUT_KEY} lists {len(layout['num_heads'])} layers, "
                          f"the model has {adapter.num_layers(config)}")
     return config
+
+
+def _family_config(raw: dict, where: str):
+    """The family's own config class built from `raw` (a headtool output's config.json)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+    except Exception as e:  # noqa: BLE001 - config validators raise many types
+        raise UsageError(f"{where}: cannot read the config: {str(e).splitlines()[0]}") from e
 
 
 def config_from_latent_folder(path: str | Path, raw_config: Mapping):
@@ -104,10 +111,7 @@ def config_from_latent_folder(path: str | Path, raw_config: Mapping):
     if not isinstance(spec, dict) or any(k not in spec for k in keys) or \
             len(spec["kv_rank"]) != len(spec["rope_planes"]):
         raise UsageError(f"{where}: {MLA_KEY} must hold {', '.join(keys)} (one kv_rank and rope_planes per layer)")
-    try:
-        config = CONFIG_MAPPING[model_type].from_dict(raw)
-    except Exception as e:  # noqa: BLE001 - config validators raise many types
-        raise UsageError(f"{where}: cannot read the config: {str(e).splitlines()[0]}") from e
+    config = _family_config(raw, where)
     adapter = adapter_for(config)
     if len(spec["kv_rank"]) != adapter.num_layers(config):
         raise UsageError(f"{where}: {MLA_KEY} lists {len(spec['kv_rank'])} layers, "
