@@ -67,13 +67,7 @@ def read_layout(raw: Mapping, where: str) -> dict:
 
 def config_from_headtool_folder(path: str | Path, raw_config: Mapping):
     """The config of a headtool output folder with a per-layer head table (no remote code run)."""
-    from transformers import CONFIG_MAPPING
-
-    where = str(Path(path) / "config.json")
-    raw = dict(raw_config)
-    model_type = raw.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise UsageError(f"{where}: unknown model_type {model_type!r}")
+    where, raw = _output_config(path, raw_config)
     layout = read_layout(raw, where)
     raw[LAYOUT_KEY] = layout
     if RESIZE_SPEC_KEY not in raw:
@@ -84,6 +78,17 @@ def config_from_headtool_folder(path: str | Path, raw_config: Mapping):
         raise UsageError(f"{where}: {LAYOUT_KEY} lists {len(layout['num_heads'])} layers, "
                          f"the model has {adapter.num_layers(config)}")
     return config
+
+
+def _output_config(path: str | Path, raw_config: Mapping) -> tuple[str, dict]:
+    """Where an output folder's config.json is (for messages) and a copy of it, its family known."""
+    from transformers import CONFIG_MAPPING
+
+    where = str(Path(path) / "config.json")
+    raw = dict(raw_config)
+    if raw.get("model_type") not in CONFIG_MAPPING:
+        raise UsageError(f"{where}: unknown model_type {raw.get('model_type')!r}")
+    return where, raw
 
 
 def _family_config(raw: dict, where: str):
@@ -98,13 +103,7 @@ def _family_config(raw: dict, where: str):
 
 def config_from_latent_folder(path: str | Path, raw_config: Mapping):
     """The config of a convert-mla output folder (no remote code run), its table checked."""
-    from transformers import CONFIG_MAPPING
-
-    where = str(Path(path) / "config.json")
-    raw = dict(raw_config)
-    model_type = raw.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise UsageError(f"{where}: unknown model_type {model_type!r}")
+    where, raw = _output_config(path, raw_config)
     spec = raw.get(MLA_KEY)
     keys = ("layers_path", "attention", "num_heads", "qk_nope_dim", "v_head_dim", "rope_dim", "rotary_dim",
             "kv_rank", "rope_planes", "scaling", "hidden_size")
