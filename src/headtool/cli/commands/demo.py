@@ -22,15 +22,21 @@ def demo_cmd(
     from pathlib import Path
 
     from ...console import err_console, info, print_json
+    from ...errors import UsageError
     from ...model.refs import packaged_path
     from ...workflows.recipe_runner import run_recipe
     from ...workflows.recipe_schema import apply_overrides, load_recipe
     from ..render import heatmap_table
     from .run import render_summary
 
-    packaged_path("smollm2-135m")  # a clear "pip install ..." line when the package is missing
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out}: exists and is not a folder")
+    packaged_path("smollm2-135m")  # a clear "pip install ..." line when the package is missing
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"-o {out}: cannot create the folder ({e.strerror or e})") from e
     with resources.as_file(resources.files("headtool") / "builtin_recipes" / "demo.yaml") as path:
         recipe = load_recipe(path)
     apply_overrides(recipe, [f"steps.0.output={out / 'scores.json'}"])
