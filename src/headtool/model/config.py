@@ -72,12 +72,7 @@ def config_from_headtool_folder(path: str | Path, raw_config: Mapping):
     raw[LAYOUT_KEY] = layout
     if RESIZE_SPEC_KEY not in raw:
         raise UsageError(f"{where}: {LAYOUT_KEY} without {RESIZE_SPEC_KEY}; not a headtool output")
-    config = _family_config(raw, where)
-    adapter = adapter_for(config)
-    if len(layout["num_heads"]) != adapter.num_layers(config):
-        raise UsageError(f"{where}: {LAYOUT_KEY} lists {len(layout['num_heads'])} layers, "
-                         f"the model has {adapter.num_layers(config)}")
-    return config
+    return _family_config(raw, where, LAYOUT_KEY, len(layout["num_heads"]))
 
 
 def _output_config(path: str | Path, raw_config: Mapping) -> tuple[str, dict]:
@@ -91,14 +86,19 @@ def _output_config(path: str | Path, raw_config: Mapping) -> tuple[str, dict]:
     return where, raw
 
 
-def _family_config(raw: dict, where: str):
-    """The family's own config class built from `raw` (a headtool output's config.json)."""
+def _family_config(raw: dict, where: str, table_key: str, table_layers: int):
+    """The family's own config class built from `raw` (a headtool output's config.json), its
+    per-layer table (`table_key`, `table_layers` rows) checked against the model's layers."""
     from transformers import CONFIG_MAPPING
 
     try:
-        return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+        config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
     except Exception as e:  # noqa: BLE001 - config validators raise many types
         raise UsageError(f"{where}: cannot read the config: {str(e).splitlines()[0]}") from e
+    layers = adapter_for(config).num_layers(config)
+    if table_layers != layers:
+        raise UsageError(f"{where}: {table_key} lists {table_layers} layers, the model has {layers}")
+    return config
 
 
 def config_from_latent_folder(path: str | Path, raw_config: Mapping):
@@ -110,9 +110,4 @@ def config_from_latent_folder(path: str | Path, raw_config: Mapping):
     if not isinstance(spec, dict) or any(k not in spec for k in keys) or \
             len(spec["kv_rank"]) != len(spec["rope_planes"]):
         raise UsageError(f"{where}: {MLA_KEY} must hold {', '.join(keys)} (one kv_rank and rope_planes per layer)")
-    config = _family_config(raw, where)
-    adapter = adapter_for(config)
-    if len(spec["kv_rank"]) != adapter.num_layers(config):
-        raise UsageError(f"{where}: {MLA_KEY} lists {len(spec['kv_rank'])} layers, "
-                         f"the model has {adapter.num_layers(config)}")
-    return config
+    return _family_config(raw, where, MLA_KEY, len(spec["kv_rank"]))

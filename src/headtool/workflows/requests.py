@@ -71,6 +71,32 @@ def _load():
     return field(default_factory=LoadOptions)
 
 
+def _overwrite():
+    return option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
+
+
+def _shard_size():
+    return option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+
+
+def _conversion_eval_data():
+    """convert-gqa's and convert-mla's --eval-data (prune and heal word theirs differently)."""
+    return option(None, "data to measure loss before/after (blocks disjoint from calibration when it is the "
+                  "same source)")
+
+
+def _conversion_eval_samples():
+    return option(32, "blocks of --eval-data", min=1)
+
+
+def _check_with_anchor(request) -> None:
+    """The declared checks of a request with an --anchor, and the anchor parsed."""
+    from ..optionspec import check
+
+    check(request)
+    parse_anchor(request.anchor)
+
+
 @dataclass(frozen=True)
 class ScoreRequest:
     """What to score and how; `data` is used by the data-driven methods only (all of it unless
@@ -158,8 +184,8 @@ class PruneRequest:
     eval_samples: int = option(32, "blocks for --eval-data", min=1, panel=_E)
     dry_run: bool = option(False, "plan and summary; nothing written", where=CLI_ONLY,
                            why="a recipe's steps always run; leave out `output` to write nothing")
-    overwrite: bool = option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
-    shard_size: str = option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    overwrite: bool = _overwrite()
+    shard_size: str = _shard_size()
     streaming: bool = option(False, "work shard by shard on the safetensors files, never building the model "
                              "(checkpoints larger than memory; needs --scores or --heads, no --compensate)",
                              where=CLI_ONLY, why="a recipe keeps the model in memory between steps")
@@ -170,10 +196,7 @@ class PruneRequest:
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS  # calibration of --compensate
 
     def validate(self) -> None:
-        from ..optionspec import check
-
-        check(self)
-        parse_anchor(self.anchor)
+        _check_with_anchor(self)
 
 
 @dataclass(frozen=True)
@@ -194,11 +217,10 @@ class ConvertRequest:
     heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) and the "
                                          "merge are chosen (default: a quarter of the calibration)", min=0)
     heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
-    eval_data: str | DataSpec | None = option(None, "data to measure loss before/after (blocks disjoint from "
-                                              "calibration when it is the same source)")
-    eval_samples: int = option(32, "blocks of --eval-data", min=1)
-    overwrite: bool = option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
-    shard_size: str = option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    eval_data: str | DataSpec | None = _conversion_eval_data()
+    eval_samples: int = _conversion_eval_samples()
+    overwrite: bool = _overwrite()
+    shard_size: str = _shard_size()
     streaming: bool = option(False, "work shard by shard on the safetensors files, never building the model "
                              "(checkpoints larger than memory; --merge mean with contiguous grouping)",
                              where=CLI_ONLY, why="a recipe keeps the model in memory between steps")
@@ -209,10 +231,7 @@ class ConvertRequest:
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
 
     def validate(self) -> None:
-        from ..optionspec import check
-
-        check(self)
-        parse_anchor(self.anchor)
+        _check_with_anchor(self)
 
 
 @dataclass(frozen=True)
@@ -242,11 +261,10 @@ class LatentRequest:
     heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) is chosen "
                                          "(default: a quarter of the calibration)", min=0)
     heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
-    eval_data: str | DataSpec | None = option(None, "data to measure loss before/after (blocks disjoint from "
-                                              "calibration when it is the same source)")
-    eval_samples: int = option(32, "blocks of --eval-data", min=1)
-    overwrite: bool = option(False, "replace an existing output folder", where=RECIPE, why=_WRITE_ONCE)
-    shard_size: str = option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    eval_data: str | DataSpec | None = _conversion_eval_data()
+    eval_samples: int = _conversion_eval_samples()
+    overwrite: bool = _overwrite()
+    shard_size: str = _shard_size()
     data: DataSpec = field(default_factory=DataSpec)
     load: LoadOptions = _load()
 
@@ -254,10 +272,8 @@ class LatentRequest:
 
     def validate(self) -> None:
         from ..errors import UsageError
-        from ..optionspec import check
 
-        check(self)
-        parse_anchor(self.anchor)
+        _check_with_anchor(self)
         if self.rope_dim is not None and self.rope_dim % 2:
             raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
         if (self.kv_rank is None) == (self.kv_cache is None):
