@@ -68,6 +68,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: shared cores
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_clock, run as a script
+from run_clock import RunClock  # noqa: E402
 
 from headtool.data.batches import make_batches
 from headtool.data.sources import DataSpec, licence_texts
@@ -262,10 +264,9 @@ def main() -> None:
     if bad:
         ap.error(f"--merges: unknown {', '.join(bad)}; use {', '.join(MERGES)}")
     command = " ".join(["python", "benchmarks/bench_cross_domain.py", *sys.argv[1:]])
-    t_start = time.perf_counter()
+    clock = RunClock()
+    log = clock.log
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     lm = load_model(MODEL, dtype="float32", device="cpu")
     tok = lm.tokenizer
@@ -299,7 +300,7 @@ def main() -> None:
            "domains": domains, "order": list(domains), "in_domain": IN_DOMAIN, "calibration": {}, "rows": []}
 
     def save() -> None:
-        doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        doc["total_seconds"] = clock.seconds()
         out.write_text(json.dumps(doc, indent=2) + "\n")
 
     def add(row: dict) -> None:

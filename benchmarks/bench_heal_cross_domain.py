@@ -33,6 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cross_domain import MODEL, evaluation_sets, perplexities  # noqa: E402
+from run_clock import RunClock  # noqa: E402
 
 from headtool.data.sources import DataSpec, parse_sources  # noqa: E402
 from headtool.model.loading import load_model, model_from_object  # noqa: E402
@@ -64,10 +65,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "heal_cross_domain.json"))
     a = ap.parse_args()
     command = " ".join(["python", "benchmarks/bench_heal_cross_domain.py", *sys.argv[1:]])
-    t_start = time.perf_counter()
+    clock = RunClock()
+    log = clock.log
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     lm = load_model(MODEL, dtype="float32", device="cpu")
     tok = lm.tokenizer

@@ -33,6 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cross_domain, run as a script
 
 from bench_cross_domain import evaluation_sets, perplexities  # noqa: E402
+from run_clock import RunClock  # noqa: E402
 
 from headtool.data.sources import DataSpec  # noqa: E402
 from headtool.measure.speed import SpeedSpec, measure_models, speed_input_ids  # noqa: E402
@@ -114,10 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     command = " ".join(["python", "benchmarks/bench_mla.py", *(argv if argv is not None else sys.argv[1:])])
-    t_start = time.perf_counter()
+    clock = RunClock()
+    log = clock.log
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     lm = load_model(a.model, dtype="float32", device="cpu")
     tok = lm.tokenizer
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     models: list[tuple[str, object]] = []
 
     def save() -> None:
-        doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        doc["total_seconds"] = clock.seconds()
         a.out.write_text(json.dumps(doc, indent=2) + "\n")
 
     base: dict = {}

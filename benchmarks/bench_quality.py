@@ -25,6 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_clock, run as a script
+from run_clock import RunClock  # noqa: E402
 
 from headtool.surgery import merging as C
 from headtool.measure.calibration import attention_input_grams
@@ -58,7 +60,8 @@ def main() -> None:
     merges = [m for m in a.merges.split(",") if m]
     command = " ".join(["python", "benchmarks/bench_quality.py", *sys.argv[1:]])
 
-    t_start = time.perf_counter()
+    clock = RunClock()
+    log = clock.log
     lm = load_model("smollm2-135m", dtype="float32", device="cpu")
     spec = DataSpec(source="builtin:pydoc", seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal)
     cal = make_batches(spec, lm.tokenizer, "lm")
@@ -72,11 +75,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        doc["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        doc["total_seconds"] = clock.seconds()
         out.write_text(json.dumps(doc, indent=2) + "\n")
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     log(f"unpruned perplexity {base['perplexity']:.3f}")
     scores = {}
