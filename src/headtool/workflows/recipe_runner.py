@@ -178,9 +178,10 @@ def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
 
 
 def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
-    res = eval_loaded(ctx.lm, build_request(ctx.recipe, step), ctx.original, ctx.text_model)
+    req = build_request(ctx.recipe, step)
+    res = eval_loaded(ctx.lm, req, ctx.original, ctx.text_model)
     before, after = res["before"], res["after"]
-    out = {"loss": after["loss"], "tokens": after["tokens"], "data": build_request(ctx.recipe, step).data.source}
+    out = {"loss": after["loss"], "tokens": after["tokens"], "data": req.data.source}
     if "perplexity" in after:
         out["perplexity"] = after["perplexity"]
     if before:
