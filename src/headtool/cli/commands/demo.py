@@ -64,10 +64,9 @@ def quality_lines(result: dict) -> list[str]:
     calibration = result["recipe"]["data"]["source"]
     seen = {p.source for p in parse_sources(calibration)}
     lines = [f"calibrated on {calibration}"]
-    evals = [r for r in result["steps"] if r["step"] == "eval" and r.get("perplexity_before")]
-    evals.sort(key=lambda r: bool(seen & {p.source for p in parse_sources(r["data"])}))
-    for r in evals:
-        unseen = not seen & {p.source for p in parse_sources(r["data"])}
+    evals = [(not seen & {p.source for p in parse_sources(r["data"])}, r)
+             for r in result["steps"] if r["step"] == "eval" and r.get("perplexity_before")]
+    for unseen, r in sorted(evals, key=lambda e: not e[0]):  # stable: the recipe's order within each kind
         kind = "a domain no step saw" if unseen else "held-out blocks of the calibration's kind (flatters)"
         lines.append(f"perplexity on {r['data']}, {kind}: {r['perplexity_before']:.2f} -> {r['perplexity']:.2f} "
                      f"({r['perplexity'] / r['perplexity_before']:.2f}x the original)")
