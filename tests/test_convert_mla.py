@@ -178,7 +178,7 @@ def test_reduced_rank_caches_what_it_reports_and_error_falls_with_rank():
         out = conv.model.generate(ids[:1, :5], attention_mask=torch.ones_like(ids[:1, :5]), max_new_tokens=3,
                                   do_sample=False, min_new_tokens=3, return_dict_in_generate=True)
         layer = out.past_key_values.layers[0]
-        assert layer.keys.shape == (1, 1, 7, rank) and layer.values.shape == (1, 1, 7, 4)  # latent, rotary key
+        assert layer.keys.shape == (1, 1, 7, rank + 4) and layer.values.shape == (1, 1, 7, 0)  # [latent | rotary key]
     assert errors[0] > errors[1] > errors[2]
     assert L.summary_figures(model, ad)["kv_cache_bytes_per_token"] == 3 * 2 * 2 * 8 * 4
 
@@ -383,3 +383,39 @@ def test_heal_trains_a_latent_student_and_writes_latent_attention(tmp_path):
     assert isinstance(healed.model.layers[0].self_attn, torch.nn.Module)
     assert type(healed.model.layers[0].self_attn).__name__ == "LatentAttention"
     assert healed.config.headtool_mla["kv_rank"] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("family", LATENT_FAMILIES)
+def test_folded_absorbed_decode_equals_plain_and_refolds_when_weights_change(family):
+    """At a compressing rank, decoding without gradients folds the up-projections into q_proj and
+    o_proj: it must equal the plain path, follow in-place weight changes (heal, load_state_dict),
+    and leave the unfolded path (with gradients) to training."""
+    model = tiny_model(family)
+    ad = adapter_for(model.config)
+    ids = sample_ids(family, seed=3)
+    conv = L.convert_model_latent(model, ad, 4, rope_dim=4, grams=_grams(model, family))
+    layers = [m for m in conv.model.modules() if isinstance(m, LatentAttention)]
+    assert all(m._folds() for m in layers)
+
+    def gap() -> float:
+        _absorb(conv.model, False)
+        plain = logits_of(conv.model, ids)
+        _absorb(conv.model, True)
+        return (logits_of(conv.model, ids) - plain).abs().max().item()
+
+    assert gap() <= 1e-4
+    assert all(m._folded is not None for m in layers)  # the folded weights did the work
+    with torch.no_grad():
+        for m in layers:
+            m.kv_b_proj.weight.mul_(1.5)
+            m.o_proj.weight.add_(0.01)
+    assert gap() <= 1e-4  # refolded from the changed weights
+    _absorb(conv.model, "auto")
+    prompt = ids[:1, :6]
+    cached = _generate(conv.model, prompt)
+    _absorb(conv.model, False)
+    assert cached.tolist() == _generate(conv.model, prompt).tolist()
+    _absorb(conv.model, True)
+    out = conv.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits  # gradients on: unfolded
+    out.float().pow(2).mean().backward()
+    assert all(m.kv_b_proj.weight.grad is not None and m.kv_b_proj.weight.grad.abs().sum() > 0 for m in layers)

@@ -16,6 +16,10 @@
 #   to the attention-weighted latent afterwards, next to the output projection.
 # `absorb` in the table (or the attribute on each attention module): "auto" (absorbed for a
 # single query token, i.e. decoding), true or false.
+# Decoding without gradients, the absorbed path folds the up-projections into the query and output
+# projections once (refolded whenever a weight changes) where that is fewer multiplies, and for
+# eager and sdpa attention computes all query heads as rows against the one latent "head": no
+# per-head copies of the cache and no kernel that pads for keys longer than values.
 from __future__ import annotations
 
 import torch
@@ -81,6 +85,7 @@ class LatentAttention(nn.Module):
         self.kv_rank = int(spec["kv_rank"][layer_idx])
         self.rope_planes = [int(p) for p in spec["rope_planes"][layer_idx]]
         self.rotary_half = int(spec["rotary_dim"]) // 2
+        self._every_plane = self.rope_planes == list(range(self.rotary_half))
         self.scaling = float(spec["scaling"])
         self.absorb = spec.get("absorb", "auto")
         self.is_causal = True
@@ -97,6 +102,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, h * (self.qk_nope_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bool(spec["o_bias"]))
         self._index: dict = {}
+        self._folded: tuple | None = None  # (key of the weights it was made from, q weight, q bias, o weight)
 
     def _slots(self, device) -> torch.Tensor:
         """Columns of the model's (cos, sin) that the rotary slots turn with."""
@@ -110,23 +116,87 @@ class LatentAttention(nn.Module):
             return q_len == 1
         return bool(self.absorb)
 
+    def _folds(self) -> bool:
+        """Whether folding the up-projections into q_proj and o_proj multiplies less per token
+        (true at the ranks a cache saving needs; not near full rank, where the folds are larger)."""
+        hidden, nope, vd, r = self.q_proj.in_features, self.qk_nope_dim, self.v_head_dim, self.kv_rank
+        return 2 * hidden * r <= (hidden + r) * (nope + vd)
+
+    def _folded_weights(self):
+        """(q weight, q bias, o weight) with the key up-projection folded into the query's no-RoPE
+        part and the value up-projection into the output; cached until a weight changes."""
+        params = (self.q_proj.weight, self.q_proj.bias, self.kv_b_proj.weight, self.o_proj.weight)
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) if p is not None else None for p in params)
+        if self._folded is None or self._folded[0] != key:
+            h, nope, rope, rank, vd = (self.num_heads, self.qk_nope_dim, self.rope_dim, self.kv_rank,
+                                       self.v_head_dim)
+            dtype = self.q_proj.weight.dtype
+            w = self.kv_b_proj.weight.float().view(h, nope + vd, rank)
+            wq = self.q_proj.weight.float().view(h, nope + rope, -1)
+            q_w = torch.cat([torch.einsum("hdr,hdi->hri", w[:, :nope], wq[:, :nope]), wq[:, nope:]], dim=1)
+            q_b = None
+            if self.q_proj.bias is not None:
+                bq = self.q_proj.bias.float().view(h, nope + rope)
+                q_b = torch.cat([torch.einsum("hdr,hd->hr", w[:, :nope], bq[:, :nope]), bq[:, nope:]], dim=1)
+                q_b = q_b.reshape(-1).to(dtype)
+            wo = self.o_proj.weight.float().view(-1, h, vd)
+            o_w = torch.einsum("ohv,hvr->ohr", wo, w[:, nope:]).reshape(wo.shape[0], h * rank)
+            self._folded = (key, q_w.reshape(-1, q_w.shape[-1]).to(dtype), q_b, o_w.to(dtype))
+        return self._folded[1:]
+
+    def _latent_rows_attention(self, query, key, latent, attention_mask, softcap=None):
+        """Absorbed attention with every query head as rows against the single latent head:
+        query [b, h, t, d], key [b, 1, T, d], latent [b, 1, T, r] -> ([b, t, h, r], weights)."""
+        b, h, t, d = query.shape
+        total = key.shape[2]
+        # scaling the h x t query rows costs less than scaling the h x t x T scores
+        scores = torch.bmm((query * self.scaling).reshape(b, h * t, d), key[:, 0].transpose(1, 2))
+        scores = scores.view(b, h, t, total)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            mask = attention_mask[:, :, :, :total]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        elif t > 1:  # no mask given: causal, the queries being the last t positions
+            causal = torch.ones(t, total, dtype=torch.bool, device=scores.device).tril(total - t)
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.bmm(weights.view(b, h * t, total), latent[:, 0]).view(b, h, t, -1)
+        return out.transpose(1, 2), weights
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
         cache = cache if cache is not None else past_key_values
         b, t = hidden_states.shape[:2]
         h, nope, rope, rank, vd = self.num_heads, self.qk_nope_dim, self.rope_dim, self.kv_rank, self.v_head_dim
-        q = self.q_proj(hidden_states).view(b, t, h, nope + rope).transpose(1, 2)
-        q_nope, q_rope = q.split([nope, rope], dim=-1)
+        absorbed = self._absorbed(t)
+        folded = (self._folded_weights() if absorbed and nope and not torch.is_grad_enabled() and self._folds()
+                  else None)
+        if folded is not None:  # the query arrives in latent space: [q_nope W_uk | q_rope] per head
+            q = nn.functional.linear(hidden_states, folded[0], folded[1]).view(b, t, h, rank + rope).transpose(1, 2)
+            q_lat, q_rope = q.split([rank, rope], dim=-1)
+        else:
+            q = self.q_proj(hidden_states).view(b, t, h, nope + rope).transpose(1, 2)
+            q_nope, q_rope = q.split([nope, rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], dim=-1)
-        latent = latent.reshape(b, 1, t, rank)
-        k_rope = k_rope.reshape(b, 1, t, rope)
         cos, sin = position_embeddings
-        idx = self._slots(cos.device)
-        cos, sin = cos[..., idx].unsqueeze(1), sin[..., idx].unsqueeze(1)
+        if not (self._every_plane and cos.shape[-1] == rope):  # else the slots are the columns, in order
+            idx = self._slots(cos.device)
+            cos, sin = cos[..., idx], sin[..., idx]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q_rope = q_rope * cos + rotate_half(q_rope) * sin
+        k_rope = k_rope.reshape(b, 1, t, rope)
         k_rope = k_rope * cos + rotate_half(k_rope) * sin
-        if cache is not None:  # the cache holds the latent and the shared rotary key, nothing per head
-            latent, k_rope = cache.update(latent, k_rope, self.layer_idx, kwargs=kwargs)
+        # what a token leaves in the cache: its latent and the shared rotary key side by side, one
+        # [b, 1, t, kv_rank + rope_dim] tensor in the cache's key slot (the value slot holds no
+        # dims): nothing per head, and the absorbed path attends over it without copying it
+        keys = torch.cat([latent.reshape(b, 1, t, rank), k_rope], dim=-1)
+        if cache is not None:
+            keys, _ = cache.update(keys, keys[..., :0], self.layer_idx, kwargs=kwargs)
+        latent, k_rope = keys.split([rank, rope], dim=-1)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         w = self.kv_b_proj.weight.view(h, nope + vd, rank)
         dropout = self.attention_dropout if self.training else 0.0
@@ -134,16 +204,22 @@ class LatentAttention(nn.Module):
             kwargs["sliding_window"] = self.sliding_window
         if self.softcap is not None:  # the same scores in both paths, so the same capping
             kwargs["softcap"] = self.softcap
-        if self._absorbed(t):
-            if nope:
+        if absorbed:
+            if folded is not None:
+                query, key = torch.cat([q_lat, q_rope], dim=-1), keys
+            elif nope:
                 q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w[:, :nope])
-                query = torch.cat([q_lat, q_rope], dim=-1)
-                key = torch.cat([latent, k_rope], dim=-1)
+                query, key = torch.cat([q_lat, q_rope], dim=-1), keys
             else:
                 query, key = q_rope, k_rope
-            self.num_key_value_groups = h
-            out, weights = interface(self, query, key, latent, attention_mask, dropout=dropout,
-                                     scaling=self.scaling, **kwargs)
+            if self.config._attn_implementation in ("eager", "sdpa") and not (self.training and dropout):
+                out, weights = self._latent_rows_attention(query, key, latent, attention_mask, self.softcap)
+            else:
+                self.num_key_value_groups = h
+                out, weights = interface(self, query, key, latent, attention_mask, dropout=dropout,
+                                         scaling=self.scaling, **kwargs)
+            if folded is not None:  # the value up-projection is folded into the output projection
+                return nn.functional.linear(out.reshape(b, t, h * rank), folded[2], self.o_proj.bias), weights
             out = torch.einsum("bthr,hvr->bthv", out, w[:, nope:])  # value up-projection, after attention
         else:
             total = latent.shape[2]
@@ -152,8 +228,15 @@ class LatentAttention(nn.Module):
             key = torch.cat([k_nope, k_rope.expand(b, h, total, rope)], dim=-1)
             query = torch.cat([q_nope, q_rope], dim=-1)
             self.num_key_value_groups = 1
+            # fused kernels want values as long as keys (CPU sdpa otherwise falls back to its math
+            # kernel, about 3x slower at 2k tokens; flash kernels refuse): zero dims, cut after
+            pad = nope + rope - vd if self.config._attn_implementation != "eager" else 0
+            if pad > 0:
+                value = nn.functional.pad(value, (0, pad))
             out, weights = interface(self, query, key, value, attention_mask, dropout=dropout,
                                      scaling=self.scaling, **kwargs)
+            if pad > 0:
+                out = out[..., :vd]
         out = out.reshape(b, t, h * vd).contiguous()
         return self.o_proj(out), weights
 
