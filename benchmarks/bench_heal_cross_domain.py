@@ -1,8 +1,10 @@
 """Does healing close the gap on text nobody trained on? SmolLM2-135M students healed on pydoc or on a
 pydoc + self-generated mixture, evaluated on the cross-domain benchmark's domains (issue 18).
 
-Student: 3 -> 1 KV heads with `fit` (+ anchored refit), calibrated on --cal blocks of --calibration
-(what `bench_cross_domain.py` measures as its row). Each heal (`heal_loaded`, what `headtool heal`
+Student (--student): `gqa`, 3 -> 1 KV heads with `fit` (+ anchored refit), calibrated on --cal blocks of
+--calibration (what `bench_cross_domain.py` measures as its row); or `mla`, convert-mla at --kv-cache of
+the cache with --rope-dim rotary dims (uniform ranks, refit on; a row of `bench_mla.py`), written to
+results/heal_cross_domain_mla.json. Each heal (`heal_loaded`, what `headtool heal`
 and a recipe's heal step run: --train attention, --max-steps, batches of --batch-size x --seq-len)
 starts from the same student and trains on --heal-data; its own held-out blocks are the first
 --eval-samples blocks after --heal-skip (training skips them). --heal-skip is set so that the
@@ -39,8 +41,9 @@ from headtool.data.sources import DataSpec, parse_sources  # noqa: E402
 from headtool.model.loading import load_model, model_from_object  # noqa: E402
 from headtool.train.options import HealOptions  # noqa: E402
 from headtool.workflows.convert_gqa import convert_loaded  # noqa: E402
+from headtool.workflows.convert_mla import convert_mla_loaded  # noqa: E402
 from headtool.workflows.heal import heal_loaded  # noqa: E402
-from headtool.workflows.requests import ConvertRequest, HealRequest  # noqa: E402
+from headtool.workflows.requests import ConvertRequest, HealRequest, LatentRequest  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -62,7 +65,12 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=16, help="the heal's own held-out blocks")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--out", default=str(HERE / "results" / "heal_cross_domain.json"))
+    ap.add_argument("--student", choices=("gqa", "mla"), default="gqa",
+                    help="gqa: --kv-heads 1 --merge fit; mla: convert-mla --kv-cache --rope-dim")
+    ap.add_argument("--kv-cache", type=float, default=1 / 3, help="--student mla: the cache budget")
+    ap.add_argument("--rope-dim", type=int, default=64, help="--student mla: rotary dims of the shared key")
+    ap.add_argument("--out", default=None, help="[default: results/heal_cross_domain.json, "
+                                                "heal_cross_domain_mla.json for --student mla]")
     a = ap.parse_args()
     command = " ".join(["python", "benchmarks/bench_heal_cross_domain.py", *sys.argv[1:]])
     clock = RunClock()
@@ -77,19 +85,30 @@ def main() -> None:
     teacher, _ = perplexities(lm.model, evals)
     cal = DataSpec(source=a.calibration, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
     t0 = time.perf_counter()
-    conv = convert_loaded(lm, ConvertRequest(model=MODEL, kv_heads=1, merge="fit", data=cal, heldout_samples=a.held),
-                          text_model=lm)
-    student = conv.best.model
+    if a.student == "mla":
+        done = convert_mla_loaded(lm, LatentRequest(model=MODEL, kv_cache=a.kv_cache, rope_dim=a.rope_dim, data=cal,
+                                                    heldout_samples=a.held), text_model=lm)
+        student = done.conv.model
+        made_by = (f"convert_mla_loaded: --kv-cache {a.kv_cache:.4g} --rope-dim {a.rope_dim} (kv_rank "
+                   f"{done.summary['kv_rank']}) --data {a.calibration} --max-samples {a.cal} --heldout-samples "
+                   f"{a.held} (refit and anchor: the defaults)")
+    else:
+        conv = convert_loaded(lm, ConvertRequest(model=MODEL, kv_heads=1, merge="fit", data=cal,
+                                                 heldout_samples=a.held), text_model=lm)
+        student = conv.best.model
+        made_by = (f"convert_loaded: --kv-heads 1 --merge fit --data {a.calibration} --max-samples {a.cal} "
+                   f"--heldout-samples {a.held} (anchor: the default)")
     make_s = time.perf_counter() - t0
     before, _ = perplexities(student, evals)
     log("student: " + "  ".join(f"{n} {before[n]['perplexity']:.2f}" for n in evals))
     doc = {"model": MODEL, "command": command, "student": {
-        "made_by": f"convert_loaded: --kv-heads 1 --merge fit --data {a.calibration} --max-samples {a.cal} "
-                   f"--heldout-samples {a.held} (anchor: the default)", "seconds": round(make_s, 1)},
+        "kind": a.student, "made_by": made_by, "seconds": round(make_s, 1),
+        **({"kv_cache": a.kv_cache, "rope_dim": a.rope_dim} if a.student == "mla" else {})},
         "domains": domains, "order": list(domains), "teacher": teacher, "before": before,
         "settings": {"max_steps": a.max_steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
                      "train": "attention", "eval_samples": a.eval_samples}, "rows": []}
-    out = Path(a.out)
+    out = Path(a.out or HERE / "results" / ("heal_cross_domain_mla.json" if a.student == "mla"
+                                            else "heal_cross_domain.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     for source in [s.strip() for s in a.heal_data.split(",") if s.strip()]:
         parts = parse_sources(source)

@@ -190,12 +190,19 @@ def speed_section(doc: dict) -> str:
 
 
 def heal_cross_domain_section(doc: dict) -> str:
+    from fractions import Fraction
+
     from bench_heal_cross_domain import render
 
+    mla = doc["student"].get("kind") == "mla"
+    student = (f"latent attention (convert-mla) at {Fraction(doc['student']['kv_cache']).limit_denominator(16)} "
+               "of the KV cache" if mla else "3 → 1 KV heads")
     return "\n".join([
-        "### Healing, out of domain: SmolLM2-135M 3 → 1 KV heads healed on pydoc or on pydoc + self-generated text",
+        f"### Healing, out of domain: SmolLM2-135M {student} healed on pydoc or on pydoc + self-generated text",
         "",
-        "The same student, the same evaluation sets as the table above; each heal trains the attention "
+        ("The student is the uniform-rank convert-mla row of the latent-attention table below, with the "
+         if mla else "The same student, with the ") +
+        "evaluation sets of the out-of-domain table above; each heal trains the attention "
         "projections against the original model. Perplexity after the heal (the share of the student's "
         "log-perplexity excess over the teacher that it closed).",
         "",
@@ -219,7 +226,7 @@ def mla_section(doc: dict) -> str:
     ])
 
 
-SECTIONS = [("cross_domain.json", cross_domain_section), ("heal_cross_domain.json", heal_cross_domain_section),
+SECTIONS = [("cross_domain.json", cross_domain_section), ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section),
             ("quality.json", quality_section), ("heal.json", heal_section), ("heal-*.json", heal_section),
             ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]

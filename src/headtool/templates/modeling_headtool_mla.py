@@ -117,10 +117,10 @@ class LatentAttention(nn.Module):
         return bool(self.absorb)
 
     def _folds(self) -> bool:
-        """Whether folding the up-projections into q_proj and o_proj multiplies less per token
-        (true at the ranks a cache saving needs; not near full rank, where the folds are larger)."""
-        hidden, nope, vd, r = self.q_proj.in_features, self.qk_nope_dim, self.v_head_dim, self.kv_rank
-        return 2 * hidden * r <= (hidden + r) * (nope + vd)
+        """Whether to fold the up-projections into q_proj and o_proj: at the ranks a cache saving
+        needs (a latent no wider than one head's key and value), where the folded weights are about
+        the size of the originals and save two small per-head products a step; not near full rank."""
+        return self.kv_rank <= self.qk_nope_dim + self.v_head_dim
 
     def _folded_weights(self):
         """(q weight, q bias, o weight) with the key up-projection folded into the query's no-RoPE
