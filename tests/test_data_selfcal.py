@@ -3,6 +3,7 @@
 blocks."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -101,12 +102,14 @@ def test_second_call_reads_the_cache_and_a_longer_one_extends_it(llama, tok, mon
 
 
 def test_cache_key_changes_with_every_setting(llama, tok, monkeypatch, tmp_path):
-    base = {"fingerprint": "sha256:abc", "seq_len": 16, "seed": 0, "temperature": 1.0, "top_p": 0.95, "start": 0}
-    changed = {"fingerprint": "sha256:abd", "seq_len": 17, "seed": 1, "temperature": 0.8, "top_p": 0.9, "start": 1}
+    base = {"fingerprint": "sha256:abc", "precision": "float32/cpu", "seq_len": 16, "seed": 0, "temperature": 1.0,
+            "top_p": 0.95, "start": 0}
+    changed = {"fingerprint": "sha256:abd", "precision": "bfloat16/cpu", "seq_len": 17, "seed": 1,
+               "temperature": 0.8, "top_p": 0.9, "start": 1}
     keys = {self_cache_key(**base)}
     for k, v in changed.items():
         keys.add(self_cache_key(**{**base, k: v}))
-    assert len(keys) == 7
+    assert len(keys) == 8
     monkeypatch.setattr(selfgen, "GENERATOR_VERSION", selfgen.GENERATOR_VERSION + 1)
     assert self_cache_key(**base) not in keys
     monkeypatch.undo()
@@ -119,6 +122,16 @@ def test_cache_key_changes_with_every_setting(llama, tok, monkeypatch, tmp_path)
     make_batches(DataSpec(source="self:2", seq_len=8, self_temperature=0.7), tok, "lm", model=llama)
     make_batches(DataSpec(source="self:2", seq_len=8), tok, "lm", model=tiny_model("llama", seed=1))
     assert count.rows == 10 and len(list((tmp_path / "cache" / "selfcal").glob("*.json"))) == 5
+
+    def loaded(module):  # one checkpoint loaded twice: the fingerprint is the files', whatever the dtype
+        return type("Loaded", (), {"model": module, "fingerprint": "sha256:one-checkpoint", "task": "causal-lm",
+                                   "ref": "tiny-llama"})()
+
+    first = make_batches(DataSpec(source="self:2", seq_len=8), tok, "lm", model=loaded(llama))
+    wide = make_batches(DataSpec(source="self:2", seq_len=8), tok, "lm", model=loaded(copy.deepcopy(llama).double()))
+    assert count.rows == 14  # the float64 load sampled its own text, not the float32 load's
+    assert first.info["generation"]["precision"] == "float32/cpu"
+    assert wide.info["generation"]["precision"] == "float64/cpu"
 
 
 @pytest.mark.parametrize("family", CAUSAL)

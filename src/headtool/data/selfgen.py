@@ -10,8 +10,9 @@ many blocks are asked for or how they are batched: ``self:32`` is the first 32 b
 ``self:64``, and blocks after ``skip_samples`` are new samples.
 
 Blocks are cached under ``<headtool cache>/selfcal/<key>.json`` (ids and decoded texts),
-keyed by the model's fingerprint, the start token and every sampling setting (seq_len, seed,
-temperature, top_p, the generator's version); a cache holding fewer blocks than asked for is
+keyed by the model's fingerprint, the precision it ran in (dtype and device kind: the same
+weights in bfloat16, or on a GPU, sample other text), the start token and every sampling setting
+(seq_len, seed, temperature, top_p, the generator's version); a cache holding fewer blocks than asked for is
 extended (the blocks it has are kept), so repeated runs generate nothing. Files are written
 atomically (temp file + rename).
 """
@@ -276,16 +277,23 @@ def _vocab_size(tokenizer: Any, module: Any) -> int:
 # --------------------------------------------------------------------------- cache
 
 
-def _settings(fingerprint: str, seq_len: int, seed: int, temperature: float, top_p: float, start: int) -> dict:
-    return {"model_fingerprint": fingerprint, "seq_len": seq_len, "seed": seed, "temperature": float(temperature),
-            "top_p": float(top_p), "start_token_id": start, "generator_version": GENERATOR_VERSION,
-            "headtool_version": __version__}
+def _settings(fingerprint: str, precision: str, seq_len: int, seed: int, temperature: float, top_p: float,
+              start: int) -> dict:
+    return {"model_fingerprint": fingerprint, "precision": precision, "seq_len": seq_len, "seed": seed,
+            "temperature": float(temperature), "top_p": float(top_p), "start_token_id": start,
+            "generator_version": GENERATOR_VERSION, "headtool_version": __version__}
 
 
-def self_cache_key(fingerprint: str, seq_len: int, seed: int, temperature: float, top_p: float,
+def _precision(module: Any) -> str:
+    """'dtype/device kind' of the module that samples (its numerics decide the text)."""
+    dtype = str(next(module.parameters()).dtype).replace("torch.", "")
+    return f"{dtype}/{_input_device(module).type}"
+
+
+def self_cache_key(fingerprint: str, precision: str, seq_len: int, seed: int, temperature: float, top_p: float,
                    start: int) -> str:
-    """The cache key of one model's self-generated blocks for one set of sampling settings."""
-    blob = json.dumps(_settings(fingerprint, seq_len, seed, temperature, top_p, start), sort_keys=True)
+    """The cache key of one model's self-generated blocks for one precision and set of sampling settings."""
+    blob = json.dumps(_settings(fingerprint, precision, seq_len, seed, temperature, top_p, start), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -354,8 +362,9 @@ def self_blocks(model: Any, tokenizer: Any, n: int, seq_len: int, *, seed: int =
         raise UsageError(f"the self-calibration batch size must be at least 1 (got {batch_size})")
     target = _target(model)
     start = start_token_id(tokenizer, target.module)
-    settings = _settings(target.fingerprint, seq_len, seed, temperature, top_p, start)
-    key = self_cache_key(target.fingerprint, seq_len, seed, temperature, top_p, start)
+    precision = _precision(target.module)
+    settings = _settings(target.fingerprint, precision, seq_len, seed, temperature, top_p, start)
+    key = self_cache_key(target.fingerprint, precision, seq_len, seed, temperature, top_p, start)
     path = self_cache_path(key)
     ids, texts = _read_cache(path, settings, seq_len) if cache else ([], [])
     have = len(ids)
@@ -382,6 +391,6 @@ def self_blocks(model: Any, tokenizer: Any, n: int, seq_len: int, *, seed: int =
         log.info("read %d self-calibration blocks from %s", n, path)
     block_ids = torch.tensor(ids[:n], dtype=torch.long).view(n, seq_len)
     out_info = {key_: settings[key_] for key_ in ("temperature", "top_p", "start_token_id", "generator_version",
-                                                  "headtool_version", "model_fingerprint")}
+                                                  "headtool_version", "model_fingerprint", "precision")}
     out_info["cache_key"] = key
     return SelfBlocks(block_ids, texts[:n], out_info, generated)
