@@ -89,9 +89,11 @@ def main() -> None:
         done = convert_mla_loaded(lm, LatentRequest(model=MODEL, kv_cache=a.kv_cache, rope_dim=a.rope_dim, data=cal,
                                                     heldout_samples=a.held), text_model=lm)
         student = done.conv.model
-        made_by = (f"convert_mla_loaded: --kv-cache {a.kv_cache:.4g} --rope-dim {a.rope_dim} (kv_rank "
-                   f"{done.summary['kv_rank']}) --data {a.calibration} --max-samples {a.cal} --heldout-samples "
-                   f"{a.held} (refit and anchor: the defaults)")
+        ranks = done.summary["kv_rank"]
+        spelled = str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)}"
+        made_by = (f"convert_mla_loaded: --kv-cache {a.kv_cache:.4g} --rope-dim {a.rope_dim} (kv_rank {spelled}) "
+                   f"--data {a.calibration} --max-samples {a.cal} --heldout-samples {a.held} (refit and anchor: "
+                   "the defaults)")
     else:
         conv = convert_loaded(lm, ConvertRequest(model=MODEL, kv_heads=1, merge="fit", data=cal,
                                                  heldout_samples=a.held), text_model=lm)
