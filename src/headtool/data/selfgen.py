@@ -383,9 +383,8 @@ def self_blocks(model: Any, tokenizer: Any, n: int, seq_len: int, *, seed: int =
         generated = count
         log.info("generated %d self-calibration blocks in %.2fs", count, elapsed)
         if cache:
-            module = target.module
-            meta = {"dtype": str(next(module.parameters()).dtype).replace("torch.", ""),
-                    "device": _input_device(module).type, "model": target.name}
+            dtype, device = precision.split("/")
+            meta = {"dtype": dtype, "device": device, "model": target.name}
             _write_cache(path, settings, ids, texts, meta)
     else:
         log.info("read %d self-calibration blocks from %s", n, path)

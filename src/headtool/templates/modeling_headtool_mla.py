@@ -17,9 +17,9 @@
 # `absorb` in the table (or the attribute on each attention module): "auto" (absorbed for a
 # single query token, i.e. decoding), true or false.
 # Decoding without gradients, the absorbed path folds the up-projections into the query and output
-# projections once (refolded whenever a weight changes) where that is fewer multiplies, and for
-# eager and sdpa attention computes all query heads as rows against the one latent "head": no
-# per-head copies of the cache and no kernel that pads for keys longer than values.
+# projections once (refolded whenever a weight changes) where the latent is no wider than one
+# head's key and value; with eager and sdpa attention it computes all query heads as rows against
+# the one latent "head": no per-head copies of the cache, no slow kernel for keys longer than values.
 from __future__ import annotations
 
 import torch
@@ -38,6 +38,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def attention_weights(scores, attention_mask, softcap, dtype):
+    """Softmax of scaled scores [..., T], soft-capped as Gemma 2 when `softcap`, under a boolean or
+    additive mask [b, 1 or heads, t, >= T]."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : scores.shape[-1]]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    return nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+
+
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None,
                             **kwargs):
     """Plain softmax attention (scores soft-capped as Gemma 2 when `softcap`); key/value heads are
@@ -47,16 +61,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
         b, n, t, d = key.shape
         key = key[:, :, None].expand(b, n, groups, t, d).reshape(b, n * groups, t, d)
         value = value[:, :, None].expand(b, n, groups, t, value.shape[-1]).reshape(b, n * groups, t, -1)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        weights = torch.tanh(weights / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : key.shape[-2]]
-        if mask.dtype == torch.bool:
-            weights = weights.masked_fill(~mask, torch.finfo(weights.dtype).min)
-        else:
-            weights = weights + mask
-    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = attention_weights(torch.matmul(query, key.transpose(2, 3)) * scaling, attention_mask, softcap,
+                                query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return out, weights
@@ -144,26 +150,16 @@ class LatentAttention(nn.Module):
             self._folded = (key, q_w.reshape(-1, q_w.shape[-1]).to(dtype), q_b, o_w.to(dtype))
         return self._folded[1:]
 
-    def _latent_rows_attention(self, query, key, latent, attention_mask, softcap=None):
+    def _latent_rows_attention(self, query, key, latent, attention_mask):
         """Absorbed attention with every query head as rows against the single latent head:
         query [b, h, t, d], key [b, 1, T, d], latent [b, 1, T, r] -> ([b, t, h, r], weights)."""
         b, h, t, d = query.shape
         total = key.shape[2]
         # scaling the h x t query rows costs less than scaling the h x t x T scores
         scores = torch.bmm((query * self.scaling).reshape(b, h * t, d), key[:, 0].transpose(1, 2))
-        scores = scores.view(b, h, t, total)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        if attention_mask is not None:
-            mask = attention_mask[:, :, :, :total]
-            if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            else:
-                scores = scores + mask
-        elif t > 1:  # no mask given: causal, the queries being the last t positions
-            causal = torch.ones(t, total, dtype=torch.bool, device=scores.device).tril(total - t)
-            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        if attention_mask is None and t > 1:  # no mask given: causal, the queries being the last t positions
+            attention_mask = torch.ones(t, total, dtype=torch.bool, device=scores.device).tril(total - t)[None, None]
+        weights = attention_weights(scores.view(b, h, t, total), attention_mask, self.softcap, query.dtype)
         out = torch.bmm(weights.view(b, h * t, total), latent[:, 0]).view(b, h, t, -1)
         return out.transpose(1, 2), weights
 
@@ -205,15 +201,14 @@ class LatentAttention(nn.Module):
         if self.softcap is not None:  # the same scores in both paths, so the same capping
             kwargs["softcap"] = self.softcap
         if absorbed:
-            if folded is not None:
-                query, key = torch.cat([q_lat, q_rope], dim=-1), keys
-            elif nope:
-                q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w[:, :nope])
+            if nope:
+                if folded is None:
+                    q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w[:, :nope])
                 query, key = torch.cat([q_lat, q_rope], dim=-1), keys
             else:
                 query, key = q_rope, k_rope
             if self.config._attn_implementation in ("eager", "sdpa") and not (self.training and dropout):
-                out, weights = self._latent_rows_attention(query, key, latent, attention_mask, self.softcap)
+                out, weights = self._latent_rows_attention(query, key, latent, attention_mask)
             else:
                 self.num_key_value_groups = h
                 out, weights = interface(self, query, key, latent, attention_mask, dropout=dropout,
