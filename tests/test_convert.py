@@ -193,7 +193,13 @@ def test_native_gqa_to_mqa_and_compare_methods(tmp_path):
     held = {x["method"]: x["heldout_loss"] for x in doc["results"]}
     assert doc["chosen"] == min(held, key=held.get)  # chosen on held-out calibration blocks, never on eval
     assert all("loss" in x["eval"] for x in doc["results"])
-    assert doc["eval_data"]["skip_samples"] == doc["calibration_data"]["samples"] + doc["heldout_data"]["samples"]
+    # no --data: auto, i.e. builtin:pydoc mixed with text sampled from this causal LM; the evaluation
+    # on builtin:pydoc starts after the pydoc blocks the calibration and held-out blocks read
+    assert doc["calibration_data"]["source"] == "builtin:pydoc+self"
+    pydoc = {k: next(m for m in doc[k]["mixture"] if m["source"] == "builtin:pydoc")
+             for k in ("calibration_data", "heldout_data")}
+    assert pydoc["heldout_data"]["skip_samples"] == pydoc["calibration_data"]["samples"]
+    assert doc["eval_data"]["skip_samples"] == pydoc["heldout_data"]["skip_samples"] + pydoc["heldout_data"]["samples"]
     assert "KV cache per token" in r.stderr and "perplexity" in r.stderr
     assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 1
 

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from ..console import info as tell
 from ..errors import UsageError
-from .selfgen import DEFAULT_SELF_SAMPLES, self_blocks
-from .sources import DataSpec, SourcePart, builtin_version, load_source, parse_sources, self_source
+from .selfgen import DEFAULT_SELF_SAMPLES, can_sample, self_blocks
+from .sources import (AUTO_OTHER, AUTO_SAMPLING, DataSpec, SourcePart, builtin_version, is_auto, load_source,
+                      parse_sources, self_source)
 
 log = logging.getLogger(__name__)
 
@@ -603,6 +605,22 @@ def _classification_batches(spec: DataSpec, tokenizer: Any) -> Batches:
     return Batches(batches, info)
 
 
+def resolve_auto(spec: DataSpec | None, tokenizer: Any, model: Any, task: str = "lm") -> DataSpec | None:
+    """`spec` with ``--data auto`` made concrete for this model: builtin:pydoc+self where text can be
+    sampled from it (a causal LM with a start token, and token blocks wanted), builtin:pydoc
+    otherwise. Any other source is returned as it is. Resolved once, where the commands first see
+    the model, so held-out and evaluation blocks are cut from the same concrete source."""
+    if spec is None or not is_auto(spec.source):
+        return spec
+    _validate(spec, task, tokenizer)  # bad input is reported before anything else is said or done
+    sampling = task in ("lm", "plain") and model is not None and can_sample(model, tokenizer)
+    source = AUTO_SAMPLING if sampling else AUTO_OTHER
+    tell(f"--data auto: {source} ("
+         + ("pydoc mixed with text sampled from the model itself" if sampling else "not a causal LM: no self text")
+         + ")")
+    return replace(spec, source=source)
+
+
 def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = None) -> Batches:
     """Token batches for one task; the same spec and tokenizer always give identical tensors.
 
@@ -612,8 +630,10 @@ def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = 
 
     model: the model being compressed (a LoadedModel, or a causal-LM module), which ``self``
     sources sample their text from (cached; see ``selfgen``); other sources ignore it.
-    ``spec.source`` may be a mixture (``a.txt*3+self``; grammar in ``sources``).
+    ``spec.source`` may be a mixture (``a.txt*3+self``; grammar in ``sources``) or ``auto``
+    (``resolve_auto``).
     """
+    spec = resolve_auto(spec, tokenizer, model, task)
     _validate(spec, task, tokenizer)
     parts = parse_sources(spec.source)
     if len(parts) == 1 and not self_source(parts[0].source)[0]:

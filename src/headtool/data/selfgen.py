@@ -86,8 +86,9 @@ class _Target:
     name: str
 
 
-def _target(model: Any) -> _Target:
-    """The module to sample from and its fingerprint, from a LoadedModel or a bare module."""
+def _sampling_module(model: Any) -> tuple[Any, str]:
+    """(the causal-LM module to sample from, its name), from a LoadedModel or a bare module;
+    a usage error when there is none."""
     if model is None:
         raise UsageError("--data self needs the model being compressed (self-generated calibration text)")
     module = getattr(model, "model", None) if hasattr(model, "fingerprint") else model
@@ -104,6 +105,22 @@ def _target(model: Any) -> _Target:
             f"--data self samples text from a causal language model, and {name} is not one ({kind}); "
             "use a file, a dataset or builtin:pydoc"
         )
+    return module, name
+
+
+def can_sample(model: Any, tokenizer: Any) -> bool:
+    """Can `self` text be sampled from this model with this tokenizer (a causal LM, a start token)?"""
+    try:
+        module, _ = _sampling_module(model)
+        start_token_id(tokenizer, module)
+    except UsageError:
+        return False
+    return True
+
+
+def _target(model: Any) -> _Target:
+    """The module to sample from and its fingerprint, from a LoadedModel or a bare module."""
+    module, name = _sampling_module(model)
     if hasattr(model, "fingerprint") and module is not model:
         fingerprint = model.fingerprint
     else:

@@ -85,10 +85,12 @@ TEXT_COLUMN_NAMES = (
 
 SOURCE_HELP = ("text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk folder, hub name[:config], "
                "'-' for stdin, builtin:pydoc, builtin:licenses, self or self:N (text sampled from the model "
-               "itself), or a "
-               "weighted mixture SOURCE*W+SOURCE*W, e.g. builtin:pydoc+self: on causal LMs the calibration "
-               "that held up best on text it never saw (README, Results); not the default because self needs "
-               "a causal LM and generates text on first use")
+               "itself), a weighted mixture SOURCE*W+SOURCE*W, or auto: builtin:pydoc+self on a causal LM "
+               "(the calibration that held up best on text it never saw: README, Results), builtin:pydoc on "
+               "other models")
+AUTO_SOURCE = "auto"
+#: what `auto` reads: on a model that can sample its own text, and on any other
+AUTO_SAMPLING, AUTO_OTHER = "builtin:pydoc+self", "builtin:pydoc"
 _PANEL = "Data"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -146,6 +148,11 @@ def self_source(source: str) -> tuple[bool, int | None]:
     return True, int(n)
 
 
+def is_auto(source: Any) -> bool:
+    """Is this the ``auto`` source (resolved per model by ``batches.resolve_auto``)?"""
+    return isinstance(source, str) and source.strip().lower() == AUTO_SOURCE
+
+
 def parse_sources(source: str) -> list[SourcePart]:
     """The parts of a ``--data`` string (one part unless it is a mixture; grammar above)."""
     if not isinstance(source, str) or not source.strip():
@@ -158,6 +165,9 @@ def parse_sources(source: str) -> list[SourcePart]:
     except OSError:  # a name too long for the file system is no file
         pass
     parts: list[SourcePart] = []
+    if any(is_auto(raw.split("*")[0]) for raw in source.split("+")):
+        raise UsageError(f"--data {source!r}: auto stands alone (it chooses the whole source); "
+                         f"write the mixture out, e.g. {AUTO_SAMPLING}+notes.txt")
     for raw in source.split("+"):
         text = raw.strip()
         weight = Fraction(1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
+from ..data.batches import resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -153,6 +154,8 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
     spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
     objective = resolve_objective("auto", lm.task)
     data_task = DATA_TASK[objective]
+    if needs_data:
+        spec = resolve_auto(spec, lm.tokenizer, tm, data_task)
     blocks = calibration_blocks(spec, lm.tokenizer, data_task, tm, calibrate=needs_data, hold_out=True,
                                 heldout_samples=req.heldout_samples, heldout_data=req.heldout_data,
                                 eval_data=req.eval_data, eval_samples=req.eval_samples)

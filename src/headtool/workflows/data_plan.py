@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..console import info
-from ..data.batches import Batches, make_batches
+from ..data.batches import Batches, make_batches, mixture_schedule
 from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
 
@@ -25,13 +25,31 @@ def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec |
     return replace(spec, max_samples=blocks)
 
 
+def part_blocks(spec: DataSpec | None, source: str, positions: int) -> int | None:
+    """How many blocks of `source` the first `positions` blocks of `spec` read when `source` is one
+    part of its mixture (None when it is not): a single-source cut of `source` that skips these
+    stays disjoint from the mixture's (the block order of a source is the same alone or mixed)."""
+    if spec is None:
+        return None
+    parts = parse_sources(spec.source)
+    if len(parts) < 2:
+        return None
+    index = next((i for i, p in enumerate(parts) if p.source == source.strip()), None)
+    if index is None or self_source(source)[0]:
+        return None
+    return mixture_schedule([p.weight for p in parts], positions).count(index)
+
+
 def _as_given(block: DataSpec, spec: DataSpec | None, blocks: int, used: int) -> DataSpec:
     """A recipe's own held-out or evaluation block: `blocks` blocks unless it says how many, and
     after the `used` calibration blocks when it reads the calibration source and says not where."""
     if block.max_samples is None and block.num_tokens is None:
         block = replace(block, max_samples=blocks)
-    if spec is not None and block.source == spec.source and block.skip_samples == 0:
-        block = replace(block, skip_samples=used)
+    if spec is not None and block.skip_samples == 0:
+        if block.source == spec.source:
+            block = replace(block, skip_samples=used)
+        elif (part := part_blocks(spec, block.source, used)) is not None:
+            block = replace(block, skip_samples=part)
     return block
 
 
@@ -44,10 +62,11 @@ def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: in
         given = _as_given(eval_data, spec, eval_samples, used)
         return given, given.skip_samples
     same = spec is not None and eval_data == spec.source
-    if same and spec.max_samples is None:
-        raise UsageError("--eval-data is the same source as --data: give --max-samples so the evaluation "
-                         "blocks can be held out from it")
-    skip = used if same else 0
+    part = part_blocks(spec, eval_data, used)
+    if (same or part is not None) and spec.max_samples is None:
+        raise UsageError(f"--eval-data is {'the same source as' if same else 'a source of'} --data: give "
+                         "--max-samples so the evaluation blocks can be held out from it")
+    skip = used if same else part or 0
     base = spec if spec is not None else DataSpec(source=eval_data)
     espec = replace(base, source=eval_data, max_samples=eval_samples, num_tokens=None, skip_samples=skip,
                     label_column=None)
@@ -65,7 +84,7 @@ def heldout_spec(spec: DataSpec, heldout_data: str | DataSpec | None, blocks: in
     if heldout_data is None or heldout_data == spec.source:
         return replace(spec, skip_samples=used, max_samples=blocks, num_tokens=None)
     return replace(spec, source=heldout_data, split=None, text_column=None, label_column=None,
-                   skip_samples=0, max_samples=blocks, num_tokens=None)
+                   skip_samples=part_blocks(spec, heldout_data, used) or 0, max_samples=blocks, num_tokens=None)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..data.batches import make_batches
+from ..data.batches import make_batches, resolve_auto
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -19,6 +19,7 @@ from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
 from ..model.refs import resolve_ref
 from ..train.healing import STATE_FILE, HealOptions, heal_model, memory_figures, state_folder
+from .data_plan import part_blocks
 from .requests import HealRequest
 
 
@@ -47,14 +48,22 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
     if opts.max_steps and train.max_samples is None and train.num_tokens is None:
         # tokenize no more than the run reads (the same blocks either way: selection is prefix-stable)
         train = replace(train, max_samples=opts.max_steps * opts.grad_accum * world.size * train.batch_size)
+    if eval_data and held.skip_samples == 0 and part_blocks(data, held.source, 0) is not None:
+        # a source of the training mixture: evaluate on its blocks after the ones training reads
+        caps = [c for c in (train.max_samples, train.num_tokens and train.num_tokens // train.seq_len) if c]
+        if not caps:
+            raise UsageError(f"--eval-data {held.source} is a source of --data {data.source}: give --max-steps "
+                             "or --max-samples so the evaluation blocks can be held out from training")
+        held = replace(held, skip_samples=part_blocks(data, held.source, train.skip_samples + min(caps)))
     return train, held
 
 
 def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, world: World | None = None):
     """(training, held-out) batches of a heal; `headtool heal` and recipe steps. `--data self`
     samples from the teacher (the original model)."""
-    train_spec, held_spec = _data_specs(req.data, req.eval_data, req.eval_samples, req.opts, world or World())
     data_task = DATA_TASK_OF_TASK.get(task, "plain")
+    data = resolve_auto(req.data, tokenizer, teacher, data_task)
+    train_spec, held_spec = _data_specs(data, req.eval_data, req.eval_samples, req.opts, world or World())
     return (make_batches(train_spec, tokenizer, data_task, model=teacher),
             make_batches(held_spec, tokenizer, data_task, model=teacher))
 
@@ -65,8 +74,10 @@ def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
     if student.tokenizer is None:
         raise UsageError("heal needs the model's tokenizer to read --data")
     train, held = heal_batches(req, student.tokenizer, student.task, teacher)
-    return heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
-                      objective=OBJECTIVE_OF_TASK.get(student.task))
+    res = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
+                     objective=OBJECTIVE_OF_TASK.get(student.task))
+    res.extra.setdefault("data_source", train.info.get("source"))
+    return res
 
 
 def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None] | None = None

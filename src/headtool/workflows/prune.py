@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
-from ..data.batches import make_batches
-from ..data.sources import DataSpec
+from ..data.batches import make_batches, resolve_auto
+from ..data.sources import DataSpec, is_auto
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
 from ..io.sizes import parse_size
@@ -124,6 +124,8 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     tm = text_model or lm
     geometry = lm.geometry
     spec = with_default_blocks(req.data, req.default_blocks)
+    if spec is not None and is_auto(spec.source) and not _reads_data(req, scores):
+        spec = None  # the default data, and nothing in this prune reads it
     target = None
     if req.heads is not None:
         selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer)
@@ -133,6 +135,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     needs_tokens = spec is not None or req.eval_data is not None
     if needs_tokens and lm.tokenizer is None:
         raise UsageError(f"{req.model}: no tokenizer files beside the model; --data / --eval-data need them")
+    spec = resolve_auto(spec, lm.tokenizer, tm, "plain")
     score_info: dict = {}
     if target is not None:
         if scores is not None:
@@ -147,6 +150,12 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
                    damping=req.damping, anchor=parse_anchor(req.anchor), eval_batches=eval_batches,
                    objective=eval_objective, calib_device=calib_device)
     return Pruned(result, target, score_info, eval_info, spec)
+
+
+def _reads_data(req: PruneRequest, scores: list[list[float]] | None) -> bool:
+    """Does this prune read --data: to refit (--compensate) or to score now with a data method?"""
+    scoring_now = req.heads is None and scores is None and req.scores is None
+    return req.compensate or (scoring_now and req.method in DATA_METHODS)
 
 
 def prune_target(req: PruneRequest) -> Target:

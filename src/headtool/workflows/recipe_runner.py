@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from ..data.sources import DataSpec, parse_sources, self_source
+from ..data.selfgen import can_sample
+from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..measure.scores_doc import build_document, write_document
@@ -53,6 +54,14 @@ class Context:
         return dataclasses.replace(self.lm, model=self.original) if self.original is not None else self.lm
 
 
+def default_source(cls: type) -> str:
+    """The source a step of this request class reads when no data block names one: the command's own
+    default (`auto` for the steps that calibrate, prune included; builtin:pydoc for eval)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == "data")
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return default.source if isinstance(default, DataSpec) else AUTO_SOURCE
+
+
 def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
     """The request a step runs: its command's request class, the step's keys over the class's
     defaults, its data block merged over the recipe's, the recipe's model and seed."""
@@ -65,7 +74,7 @@ def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
     for key, value in step.items():
         if key in own and key not in inner:
             kwargs[key] = ",".join(map(str, value)) if isinstance(value, list) else value
-    data = DataSpec(**(step_data(recipe, step) or {}))
+    data = DataSpec(**{"source": default_source(cls), **(step_data(recipe, step) or {})})
     for field_name, keys in nested_keys.items():
         kwargs[field_name] = nested[field_name](**{k: v for k, v in step.items() if k in keys}, seed=data.seed)
     for key, opt in own.items():  # eval_data, heldout_data: a data block (over the recipe's) or a source
@@ -123,7 +132,7 @@ def step_score(ctx: Context, step: dict) -> dict[str, Any]:
     out = {"method": run.result.estimator, "objective": run.objective, "baseline_loss": run.result.baseline_loss,
            "heads": sum(g.num_heads for g in ctx.lm.geometry)}
     if run.batches_info:
-        out["data"] = req.data.source
+        out["data"] = run.batches_info.get("source")
     return out
 
 
@@ -137,7 +146,7 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
     out = {"heads_removed": result.summary()["heads_removed"]}
     if result.compensation:
         out["refits_kept"] = sum(bool(c["kept"]) for c in result.compensation)
-        out["data"] = req.data.source
+        out["data"] = done.data.source
     if result.eval_after:
         out["loss_before"], out["loss_after"] = result.eval_before["loss"], result.eval_after["loss"]
     return out
@@ -151,7 +160,7 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     out: dict[str, Any] = {"merge": done.best.method,
                            "heldout_loss": {r["method"]: r.get("heldout_loss") for r in done.results}}
     if done.calibration is not None:
-        out["data"] = req.data.source
+        out["data"] = done.calibration.info.get("source")
     if done.eval_before:
         chosen = next(r for r in done.results if r["method"] == done.best.method)
         out["loss_before"], out["loss_after"] = done.eval_before["loss"], chosen["eval"]["loss"]
@@ -165,7 +174,7 @@ def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
     s = done.summary
     ctx.meta.update({k: done.meta[k] for k in ("kv_rank", "rope_dim", "rope_slots")})
     out: dict[str, Any] = {"kv_rank": s["kv_rank"], "rope_dim": s["rope_dim"], "kv_cache": req.kv_cache,
-                           "rank_allocation": req.rank_allocation, "data": req.data.source,
+                           "rank_allocation": req.rank_allocation, "data": s["calibration_data"].get("source"),
                            "calibration_blocks": s["calibration_data"]["samples"]}
     if s["heldout_data"]:
         out["heldout_data"] = s["heldout_data"].get("source")
@@ -195,18 +204,26 @@ def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     res = heal_loaded(ctx.lm, ctx.text_model, req)
     doc = res.to_json()
-    return {**{k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc}, "data": req.data.source}
+    return {**{k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc},
+            "data": doc.get("data_source", req.data.source)}
 
 
 STEPS = {"score": step_score, "prune": step_prune, "convert_gqa": step_convert, "convert_mla": step_convert_mla,
          "eval": step_eval, "heal": step_heal}
 
 
-def _samples_itself(recipe: Recipe) -> bool:
-    """Does any data block of the recipe read `self` (text sampled from the original model)?"""
-    blocks = [recipe.values.get("data")] + [s.get(k) for s in recipe.steps for k in ("data", "eval_data")]
-    sources = [b.get("source") if isinstance(b, dict) else b for b in blocks]
-    return any(isinstance(src, str) and any(self_source(p.source)[0] for p in parse_sources(src)) for src in sources)
+def _samples_itself(recipe: Recipe, lm: LoadedModel) -> bool:
+    """Does any step read `self` (text sampled from the original model), written out or as what
+    `auto` (a calibrating step's default) means for this model?"""
+    sources = []
+    for s in recipe.steps:
+        cls = STEP_REQUESTS[s["step"]][0]
+        sources.append((step_data(recipe, s) or {}).get("source", default_source(cls)))
+        for key in ("eval_data", "heldout_data"):
+            sources.append(s[key].get("source") if isinstance(s.get(key), dict) else s.get(key))
+    sampling = any(is_auto(src) for src in sources) and can_sample(lm, lm.tokenizer)
+    return sampling or any(isinstance(src, str) and not is_auto(src)
+                           and any(self_source(p.source)[0] for p in parse_sources(src)) for src in sources)
 
 
 def summary_row(step: str, figures: dict, info: dict, seconds: float) -> dict[str, Any]:
@@ -241,7 +258,7 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
                                     for s in recipe.steps):
         raise UsageError(f"{v['model']}: no tokenizer files beside the model; recipe steps need data")
     source_fingerprint = lm.fingerprint
-    if (any(s["step"] in ("eval", "heal") for s in recipe.steps) or _samples_itself(recipe)) and not offloaded:
+    if (any(s["step"] in ("eval", "heal") for s in recipe.steps) or _samples_itself(recipe, lm)) and not offloaded:
         ctx.original = copy.deepcopy(lm.model)  # (offloaded: only score/eval steps, the model stays unchanged)
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
     for i, step in enumerate(recipe.steps):

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..data.sources import DataSpec
+from ..data.sources import AUTO_SOURCE, DataSpec
 from ..model.placement import LoadOptions
 from ..optionspec import CLI_ONLY, RECIPE, option
 from ..train.options import HealOptions
@@ -97,6 +97,14 @@ def _check_with_anchor(request) -> None:
     parse_anchor(request.anchor)
 
 
+def calibration_data() -> DataSpec:
+    """The data of the steps that calibrate (score, prune, convert-gqa, convert-mla, heal) when none
+    is given: `auto`, i.e. builtin:pydoc mixed with self-generated text on causal LMs (it held up
+    best on text the calibration never saw: README, Results), builtin:pydoc on other models.
+    eval and inspect keep builtin:pydoc: a measurement on the model's own text means little."""
+    return DataSpec(source=AUTO_SOURCE)
+
+
 @dataclass(frozen=True)
 class ScoreRequest:
     """What to score and how; `data` is used by the data-driven methods only (all of it unless
@@ -118,7 +126,7 @@ class ScoreRequest:
                                         "as many as fit in about 1 GiB of activations)", min=1)
     output: str | None = option(None, "write the score document here (atomically); default: stdout",
                                 flags=("--output", "-o"))
-    data: DataSpec = field(default_factory=DataSpec)
+    data: DataSpec = field(default_factory=calibration_data)
     load: LoadOptions = _load()
 
     default_blocks: ClassVar[int | None] = None  # all of --data
@@ -225,7 +233,7 @@ class ConvertRequest:
                              "(checkpoints larger than memory; --merge mean with contiguous grouping)",
                              where=CLI_ONLY, why="a recipe keeps the model in memory between steps")
     sequential: bool = option(False, SEQUENTIAL_HELP, panel="Model", where=RECIPE, why=_SEQ)
-    data: DataSpec = field(default_factory=DataSpec)
+    data: DataSpec = field(default_factory=calibration_data)
     load: LoadOptions = _load()
 
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
@@ -265,7 +273,7 @@ class LatentRequest:
     eval_samples: int = _conversion_eval_samples()
     overwrite: bool = _overwrite()
     shard_size: str = _shard_size()
-    data: DataSpec = field(default_factory=DataSpec)
+    data: DataSpec = field(default_factory=calibration_data)
     load: LoadOptions = _load()
 
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
@@ -317,7 +325,7 @@ class HealRequest:
     output: str | os.PathLike = option(help="output folder (written whole or not at all)", flags=("-o", "--output"),
                                        where=RECIPE)
     opts: HealOptions = field(default_factory=HealOptions)
-    data: DataSpec = field(default_factory=DataSpec)
+    data: DataSpec = field(default_factory=calibration_data)
     eval_data: str | DataSpec | None = option(None, "held-out data [default: the first --eval-samples blocks of "
                                               "--data, which training skips]", panel="Evaluation and state")
     eval_samples: int = option(16, "held-out blocks", min=1, panel="Evaluation and state")

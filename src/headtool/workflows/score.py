@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
-from ..data.batches import make_batches
+from ..data.batches import make_batches, resolve_auto
 from ..distributed import finish, init_from_env, is_main, launched
 from ..errors import UsageError
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -64,6 +64,7 @@ def score_loaded(lm: LoadedModel, req: ScoreRequest, text_model: LoadedModel | N
                  "outputs is exactly zero at the model)")
         if lm.tokenizer is None:
             raise UsageError(f"{req.model}: no tokenizer files beside the model; scoring needs them to read --data")
+        spec = resolve_auto(spec, lm.tokenizer, text_model or lm, DATA_TASK[resolved])
         batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved], model=text_model or lm)
     elif req.objective != "auto":
         info(f"--objective is not used by --method {req.method} (it needs no data)")

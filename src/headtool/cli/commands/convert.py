@@ -6,7 +6,8 @@ from typing import Any
 import typer
 
 from ...console import err_console, info, print_json
-from ...workflows.requests import ConvertRequest
+from ...data.sources import AUTO_SOURCE
+from ...workflows.requests import ConvertRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
 
@@ -66,16 +67,16 @@ def convert_gqa_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
                     data_spec=None) -> None:
     """Merge K/V heads into --kv-heads groups (MHA to GQA, GQA to fewer groups, to MQA).
 
-    Calibration (--data, default builtin:pydoc, 64 blocks) drives similarity grouping and the
-    data-aware merges; the output has a standard config with num_key_value_heads = N.
+    Calibration (--data, default auto: builtin:pydoc mixed with text sampled from the model on a
+    causal LM, builtin:pydoc otherwise; 64 blocks) drives similarity grouping and the data-aware
+    merges; the output has a standard config with num_key_value_heads = N.
 
     Example: headtool convert-gqa smollm2-135m --kv-heads 1 --merge mean,aligned,fit
     --eval-data builtin:pydoc -o smollm2-mqa
     """
-    from ...data.sources import DataSpec
     from ...workflows.convert_gqa import run_convert_gqa
 
-    run = run_convert_gqa(ConvertRequest(**fields, data=data_spec or DataSpec(), load=load))
+    run = run_convert_gqa(ConvertRequest(**fields, data=data_spec or calibration_data(), load=load))
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
         if json_out:
@@ -88,4 +89,4 @@ def convert_gqa_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
 
 
 def register(app: typer.Typer) -> None:
-    app.command("convert-gqa")(model_options(data_options(required=False, default="builtin:pydoc")(convert_gqa_cmd)))
+    app.command("convert-gqa")(model_options(data_options(default=AUTO_SOURCE)(convert_gqa_cmd)))

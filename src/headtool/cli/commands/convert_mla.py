@@ -6,7 +6,8 @@ from typing import Any
 import typer
 
 from ...console import err_console, print_json
-from ...workflows.requests import LatentRequest
+from ...data.sources import AUTO_SOURCE
+from ...workflows.requests import LatentRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
 
@@ -59,22 +60,21 @@ def convert_mla_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
 
     Per-frequency rotations across the KV heads (RoRoPE) move the position information into a
     rotary key of --rope-dim dims shared by all query heads; the rest of K and all of V become one
-    --kv-rank latent (activation-whitened factorization on --data, default builtin:pydoc, 64
-    blocks); or --kv-cache FRACTION of today's cache bytes, split across layers uniformly or, with
+    --kv-rank latent (activation-whitened factorization on --data, default auto: builtin:pydoc
+    mixed with self-generated text on a causal LM; 64 blocks); or --kv-cache FRACTION of today's cache bytes, split across layers uniformly or, with
     --rank-allocation auto, by the layers' measured spectra. The cache holds the latent and the rotary key. The folder loads with
     trust_remote_code=True (a self-contained modeling file).
 
     Example: headtool convert-mla smollm2-135m --kv-rank 64 --rope-dim 64 -o smollm2-mla
     Example: headtool convert-mla smollm2-135m --kv-cache 0.125 --rope-dim 16 --rank-allocation auto -o smollm2-mla
     """
-    from ...data.sources import DataSpec
     from ...workflows.convert_mla import run_convert_mla
 
-    summary = run_convert_mla(LatentRequest(**fields, data=data_spec or DataSpec(), load=load))
+    summary = run_convert_mla(LatentRequest(**fields, data=data_spec or calibration_data(), load=load))
     err_console().print(_table(summary))
     if json_out:
         print_json(summary)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("convert-mla")(model_options(data_options(required=False, default="builtin:pydoc")(convert_mla_cmd)))
+    app.command("convert-mla")(model_options(data_options(default=AUTO_SOURCE)(convert_mla_cmd)))

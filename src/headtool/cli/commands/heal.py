@@ -6,8 +6,9 @@ from typing import Any
 import typer
 
 from ...console import err_console, print_json
+from ...data.sources import AUTO_SOURCE
 from ...train.options import HealOptions
-from ...workflows.requests import HealRequest
+from ...workflows.requests import HealRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
 
@@ -21,11 +22,10 @@ def heal(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions
 
     Example: headtool heal pruned/ --teacher smollm2-135m --data builtin:pydoc --max-steps 200 -o healed/
     """
-    from ...data.sources import DataSpec
     from ...distributed import finish_world, world_from_env
     from ...workflows.heal import run_heal
 
-    spec = data_spec or DataSpec()
+    spec = data_spec or calibration_data()
     opts = HealOptions(**fields.pop("opts"), seed=spec.seed)
     world = world_from_env(load.device)
     try:
@@ -64,4 +64,4 @@ def heal_table(doc: dict[str, Any]):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("heal")(model_options(data_options()(heal)))
+    app.command("heal")(model_options(data_options(default=AUTO_SOURCE)(heal)))

@@ -3,15 +3,20 @@ from __future__ import annotations
 
 import typer
 
+from ...data.sources import AUTO_SOURCE
 from ...workflows.requests import PruneRequest
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
 
 @model_options
-@data_options(default=None)
+@data_options(default=AUTO_SOURCE)
 @command_options(PruneRequest)
 def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(), data_spec=None) -> None:
     """Remove attention heads (chosen from scores or listed) and write a smaller checkpoint.
+
+    Without --scores or --heads the heads are scored now on --data (default auto: builtin:pydoc
+    mixed with text sampled from the model on a causal LM, builtin:pydoc otherwise; 64 blocks),
+    which --compensate also refits on.
 
     Examples:
       headtool score m --data d | headtool prune m --scores - --fraction 0.3 -o out

@@ -6,13 +6,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from ...data.sources import AUTO_SOURCE
 from ...errors import UsageError
-from ...workflows.requests import ScoreRequest
+from ...workflows.requests import ScoreRequest, calibration_data
 from ..options import LoadOptions, command_options, data_options, model_options
 
 
 @model_options
-@data_options()
+@data_options(default=AUTO_SOURCE)
 @command_options(ScoreRequest)
 def score_cmd(
     plot: Annotated[Optional[str], typer.Option(
@@ -28,12 +29,11 @@ def score_cmd(
     Pipe it into prune: headtool score m --data d | headtool prune m --scores - --fraction 0.3 -o out
     """
     from ...console import err_console, info
-    from ...data.sources import DataSpec
     from ...measure.scores_doc import write_document
     from ...workflows.score import run_score
     from ..render import heatmap_table
 
-    req = ScoreRequest(**fields, data=data_spec or DataSpec(), load=load)
+    req = ScoreRequest(**fields, data=data_spec or calibration_data(), load=load)
     req.validate()
     model, output = req.model, req.output
     if output and output != "-":
