@@ -12,7 +12,7 @@ from tiny_models import save_tiny
 from typer.testing import CliRunner
 
 from headtool.cli import app
-from headtool.data.batches import make_batches, resolve_auto
+from headtool.data.batches import blocks_read, make_batches, resolve_auto
 from headtool.data.sources import DataSpec, parse_sources
 from headtool.distributed import World
 from headtool.errors import UsageError
@@ -86,9 +86,17 @@ def test_a_recipe_without_data_calibrates_on_auto_and_evaluates_on_pydoc(tmp_pat
     normalise_steps(r)
     requests = [build_request(r, s) for s in r.steps]
     assert [q.data.source for q in requests] == ["auto", "auto", "builtin:pydoc"]
-    res = _run("run", recipe, "-o", tmp_path / "out", "--json")
+    with blocks_read() as seen:
+        res = _run("run", recipe, "-o", tmp_path / "out", "--json")
     assert res.exit_code == 0, res.stderr
     steps = json.loads(res.stdout)["steps"]
+    # the eval step (pydoc, no skip_samples given) starts after every pydoc block the prune and
+    # the merge read as part of their mixtures (calibration and held-out): no flattering overlap
+    mixed = [i for i in seen if "mixture" in i]
+    read = max(p["skip_samples"] + p["samples"] for i in mixed for p in i["mixture"] if p["source"] == "builtin:pydoc")
+    evals = [i for i in seen if i["source"] == "builtin:pydoc"]
+    assert read > 0 and evals and all(i["skip_samples"] == read for i in evals)
+    assert steps[-1]["skip_samples"] == read and "from block" in res.stderr
     assert [(s["step"], s.get("data")) for s in steps[1:]] == [
         ("prune", "builtin:pydoc+self"), ("convert_gqa", "builtin:pydoc+self"), ("eval", "builtin:pydoc")]
 
@@ -157,3 +165,18 @@ def test_prune_scores_and_refits_on_auto_and_reads_nothing_when_told_the_heads(t
     assert listed.exit_code == 0, listed.stderr
     assert "--data auto" not in listed.stderr  # a default that nothing reads is not resolved (no sampling)
     assert json.loads(listed.stdout)["options"]["calibration_data"] is None
+
+
+def test_a_recipe_eval_that_says_where_it_starts_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))
+    src = save_tiny("llama", tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\ndtype: float32\ndata: {{seq_len: 16, max_samples: 4}}\n"
+                      "steps:\n  - convert_gqa: {kv_heads: 1, merge: fit}\n"
+                      "  - eval: {data: {skip_samples: 0}}\n  - eval: {data: {seq_len: 8}}\n")
+    with blocks_read() as seen:
+        res = _run("run", recipe, "-o", tmp_path / "out", "--json")
+    assert res.exit_code == 0, res.stderr
+    evals = [i for i in seen if i["source"] == "builtin:pydoc"]
+    assert [i["skip_samples"] for i in evals] == [0, 0]  # one read per eval step
+    assert "another seq_len or seed" in res.stderr  # the second eval cannot be placed after them: said

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
@@ -621,6 +622,31 @@ def resolve_auto(spec: DataSpec | None, tokenizer: Any, model: Any, task: str = 
     return replace(spec, source=source)
 
 
+_READ_LOGS: list[list[dict]] = []
+
+
+@contextmanager
+def blocks_read() -> Iterator[list[dict]]:
+    """The info of every Batches made inside the block: a recipe learns which blocks of which
+    source its calibrating steps read, so that its evaluations can start after them."""
+    seen: list[dict] = []
+    _READ_LOGS.append(seen)
+    try:
+        yield seen
+    finally:  # by identity: two logs that saw the same infos are equal lists
+        del _READ_LOGS[next(i for i, x in enumerate(_READ_LOGS) if x is seen)]
+
+
+def leading_blocks(info: dict) -> dict[tuple[str, int, int], int]:
+    """(source, seq_len, seed) -> how many of the source's first blocks (in its seeded order) a
+    Batches read, skipped ones included; every part of a mixture but `self`. A single-source cut
+    that skips these is disjoint from what was read."""
+    key = (info.get("seq_len"), info.get("seed"))
+    parts = info.get("mixture") or [info]
+    return {(p["source"], *key): int(p.get("skip_samples") or 0) + int(p.get("samples") or 0)
+            for p in parts if isinstance(p.get("source"), str) and not self_source(p["source"])[0]}
+
+
 def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = None) -> Batches:
     """Token batches for one task; the same spec and tokenizer always give identical tensors.
 
@@ -633,6 +659,13 @@ def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = 
     ``spec.source`` may be a mixture (``a.txt*3+self``; grammar in ``sources``) or ``auto``
     (``resolve_auto``).
     """
+    out = _make_batches(spec, tokenizer, task, model)
+    for log_ in _READ_LOGS:
+        log_.append(out.info)
+    return out
+
+
+def _make_batches(spec: DataSpec, tokenizer: Any, task: str, model: Any) -> Batches:
     spec = resolve_auto(spec, tokenizer, model, task)
     _validate(spec, task, tokenizer)
     parts = parse_sources(spec.source)

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from ..console import info, warn
+from ..data.batches import blocks_read, leading_blocks
 from ..data.selfgen import can_sample
 from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source
 from ..errors import UsageError
@@ -47,6 +49,8 @@ class Context:
     scores: list[list[float]] | None = None
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: (source, seq_len, seed) -> leading blocks of it the calibrating steps read (evaluations start after)
+    read: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
 
     @property
     def text_model(self) -> LoadedModel:
@@ -186,11 +190,29 @@ def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
     return out
 
 
+def _after_the_calibration(ctx: Context, step: dict, req: Any) -> Any:
+    """An eval step that does not say where its blocks start begins after the blocks of its source
+    that earlier steps calibrated, refitted or trained on: a figure measured on them flatters."""
+    d = req.data
+    if "skip_samples" in (step_data(ctx.recipe, step) or {}) or len(parse_sources(d.source)) > 1:
+        return req
+    n = ctx.read.get((d.source, d.seq_len, d.seed))
+    if n:
+        info(f"eval on {d.source}: from block {n} on (earlier steps read the {n} before it)")
+        return dataclasses.replace(req, data=dataclasses.replace(d, skip_samples=n))
+    if any(source == d.source for source, _, _ in ctx.read):
+        warn(f"eval on {d.source}: earlier steps read it with another seq_len or seed, so its blocks may "
+             "overlap theirs; give the eval step skip_samples")
+    return req
+
+
 def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
-    req = build_request(ctx.recipe, step)
+    req = _after_the_calibration(ctx, step, build_request(ctx.recipe, step))
     res = eval_loaded(ctx.lm, req, ctx.original, ctx.text_model)
     before, after = res["before"], res["after"]
     out = {"loss": after["loss"], "tokens": after["tokens"], "data": req.data.source}
+    if req.data.skip_samples:
+        out["skip_samples"] = req.data.skip_samples
     if "perplexity" in after:
         out["perplexity"] = after["perplexity"]
     if before:
@@ -263,7 +285,12 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
     for i, step in enumerate(recipe.steps):
         t0 = time.perf_counter()
-        figures = STEPS[step["step"]](ctx, step)
+        with blocks_read() as seen:
+            figures = STEPS[step["step"]](ctx, step)
+        if step["step"] != "eval":
+            for batch_info in seen:
+                for key, n in leading_blocks(batch_info).items():
+                    ctx.read[key] = max(n, ctx.read.get(key, 0))
         row = summary_row(step["step"], figures, model_info(ctx.lm.model, ctx.lm.adapter), time.perf_counter() - t0)
         rows.append(row)
         if on_step:
