@@ -180,3 +180,17 @@ def test_a_recipe_eval_that_says_where_it_starts_is_left_alone(tmp_path, monkeyp
     evals = [i for i in seen if i["source"] == "builtin:pydoc"]
     assert [i["skip_samples"] for i in evals] == [0, 0]  # one read per eval step
     assert "another seq_len or seed" in res.stderr  # the second eval cannot be placed after them: said
+
+
+@pytest.mark.parametrize("command", ["convert-gqa", "prune"])
+def test_evaluation_on_the_held_out_source_starts_after_the_held_out_blocks(tmp_path, monkeypatch, command):
+    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))
+    src = save_tiny("llama", tmp_path / "src")
+    how = ["--kv-heads", 1, "--merge", "fit"] if command == "convert-gqa" else ["--fraction", 0.25, "--compensate"]
+    res = _run(command, src, *how, "--data", "builtin:pydoc", "--max-samples", 4, "--seq-len", 16,
+               "--heldout-data", "builtin:licenses", "--heldout-samples", 3, "--eval-data", "builtin:licenses",
+               "--eval-samples", 2, "-o", tmp_path / "out", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    ev = doc["eval_data"]
+    assert ev["source"] == "builtin:licenses" and ev["skip_samples"] == 3  # after the 3 held-out blocks

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..console import info
-from ..data.batches import Batches, make_batches, mixture_schedule
+from ..data.batches import Batches, leading_blocks, make_batches, mixture_schedule
 from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
 
@@ -53,11 +53,23 @@ def _as_given(block: DataSpec, spec: DataSpec | None, blocks: int, used: int) ->
     return block
 
 
-def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: int, used: int
-              ) -> tuple[DataSpec, int]:
+def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: int, used: int,
+              held: Batches | None = None) -> tuple[DataSpec, int]:
     """The evaluation data of prune and convert-gqa, and the blocks it skips: a DataSpec as given
     (a recipe's eval_data block; `eval_samples` blocks unless it says), or a source cut like the
-    calibration data, after the `used` calibration and held-out blocks when it is the same source."""
+    calibration data, after the `used` calibration and held-out blocks when it is the same source.
+    `held`: the held-out blocks, when they came from another source; an evaluation on that source
+    that would start inside them starts after them."""
+    espec, skip = _eval_spec(spec, eval_data, eval_samples, used)
+    if held is not None and spec is not None and held.info.get("source") != spec.source:
+        after = leading_blocks(held.info).get((espec.source, espec.seq_len, espec.seed), 0)
+        if skip < after and not (isinstance(eval_data, DataSpec) and eval_data.skip_samples):
+            espec, skip = replace(espec, skip_samples=after), after
+    return espec, skip
+
+
+def _eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: int, used: int
+               ) -> tuple[DataSpec, int]:
     if isinstance(eval_data, DataSpec):
         given = _as_given(eval_data, spec, eval_samples, used)
         return given, given.skip_samples
@@ -118,5 +130,6 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
         info(f"calibrating on {out.cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
              + (f" ({out.held.info['samples']} held out from {out.held.info.get('source')})" if out.held else ""))
     if eval_data:
-        out.ev = make_batches(eval_spec(spec, eval_data, eval_samples, out.used)[0], tokenizer, task, model=model)
+        espec = eval_spec(spec, eval_data, eval_samples, out.used, out.held)[0]
+        out.ev = make_batches(espec, tokenizer, task, model=model)
     return out

@@ -192,7 +192,7 @@ def _data(lm, spec, req: PruneRequest, tm):
     heldout_samples = req.heldout_samples
     if compensate and req.heldout_data is not None and not heldout_samples:
         heldout_samples = max(4, (spec.max_samples or 16) // 4)
-    calib = heldout = eval_batches = None
+    calib = heldout = eval_batches = held = None
     eval_objective = eval_info = None
     used = 0
     if compensate:
@@ -202,7 +202,8 @@ def _data(lm, spec, req: PruneRequest, tm):
         used = spec.skip_samples + (spec.max_samples or 0)
         if heldout_samples:
             hspec = heldout_spec(spec, req.heldout_data, heldout_samples, used)
-            heldout = make_batches(hspec, lm.tokenizer, "plain", model=tm).batches
+            held = make_batches(hspec, lm.tokenizer, "plain", model=tm)
+            heldout = held.batches
             if hspec.source == spec.source:
                 used += heldout_samples
     elif spec is not None and spec.max_samples is not None:
@@ -211,7 +212,7 @@ def _data(lm, spec, req: PruneRequest, tm):
         eval_objective = resolve_objective(objective, lm.task, None)
         if eval_objective == "kl":
             raise UsageError("--eval-data needs a model with an LM head (there is no loss to report otherwise)")
-        espec, skip = eval_spec(spec, eval_data, eval_samples, used)
+        espec, skip = eval_spec(spec, eval_data, eval_samples, used, held)
         eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
