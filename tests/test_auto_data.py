@@ -75,13 +75,18 @@ def test_the_calibrating_commands_default_to_auto_and_eval_keeps_pydoc(tmp_path,
     assert bad.exit_code == 2 and "auto stands alone" in bad.stderr and "Traceback" not in bad.output
 
 
-def test_a_recipe_without_data_calibrates_on_auto_and_evaluates_on_pydoc(tmp_path, monkeypatch):
+def _tiny_recipe(tmp_path, monkeypatch, steps: str):
+    """A recipe on a tiny llama with a data block that names no source (each step's default)."""
     monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))
     src = save_tiny("llama", tmp_path / "src")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {src}\ndtype: float32\ndata: {{seq_len: 16, max_samples: 4}}\n"
-                      "steps:\n  - prune: {fraction: 0.25, compensate: true}\n"
-                      "  - convert_gqa: {kv_heads: 1, merge: fit}\n  - eval: {}\n")
+    recipe.write_text(f"model: {src}\ndtype: float32\ndata: {{seq_len: 16, max_samples: 4}}\nsteps:\n" + steps)
+    return recipe
+
+
+def test_a_recipe_without_data_calibrates_on_auto_and_evaluates_on_pydoc(tmp_path, monkeypatch):
+    recipe = _tiny_recipe(tmp_path, monkeypatch, "  - prune: {fraction: 0.25, compensate: true}\n"
+                          "  - convert_gqa: {kv_heads: 1, merge: fit}\n  - eval: {}\n")
     r = load_recipe(recipe)
     normalise_steps(r)
     requests = [build_request(r, s) for s in r.steps]
@@ -168,12 +173,8 @@ def test_prune_scores_and_refits_on_auto_and_reads_nothing_when_told_the_heads(t
 
 
 def test_a_recipe_eval_that_says_where_it_starts_is_left_alone(tmp_path, monkeypatch):
-    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))
-    src = save_tiny("llama", tmp_path / "src")
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {src}\ndtype: float32\ndata: {{seq_len: 16, max_samples: 4}}\n"
-                      "steps:\n  - convert_gqa: {kv_heads: 1, merge: fit}\n"
-                      "  - eval: {data: {skip_samples: 0}}\n  - eval: {data: {seq_len: 8}}\n")
+    recipe = _tiny_recipe(tmp_path, monkeypatch, "  - convert_gqa: {kv_heads: 1, merge: fit}\n"
+                          "  - eval: {data: {skip_samples: 0}}\n  - eval: {data: {seq_len: 8}}\n")
     with blocks_read() as seen:
         res = _run("run", recipe, "-o", tmp_path / "out", "--json")
     assert res.exit_code == 0, res.stderr
