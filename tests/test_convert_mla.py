@@ -20,8 +20,10 @@ from headtool.surgery import latent as L
 from headtool.surgery import merging as C
 
 # plain, sliding window unset, q/k/v biases, Gemma (MQA), Gemma 2 (soft-capped scores, sliding
-# layers), Phi-3 (fused qkv)
-LATENT_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"]
+# layers), Phi-3 (fused qkv), GPT-NeoX (interleaved fused qkv, partial rotary, parallel residual,
+# the cache named layer_past), GPT-2 (Conv1D, learned positions: no rotary key), OPT (learned
+# positions, biases everywhere)
+LATENT_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox", "gpt2", "opt"]
 
 
 def _grams(model, family: str):
@@ -36,6 +38,12 @@ def _full(model):
     g = ad.geometry(model.config)[0]
     rot = ad.rotary_dim(model.config, g.head_dim)
     return L.latent_dims(g, rot, g.num_kv_heads * rot), g.num_kv_heads * rot
+
+
+def _small_rope(model, dims: int = 4) -> int:
+    """A compressing --rope-dim: `dims`, or 0 where the family has no RoPE."""
+    ad = adapter_for(model.config)
+    return dims if ad.rotary_dim(model.config, ad.geometry(model.config)[0].head_dim) else 0
 
 
 def _absorb(model, value) -> None:
@@ -53,7 +61,8 @@ def _generate(model, ids, n=8):
 
 
 @pytest.mark.parametrize("family, extra", [(f, {}) for f in LATENT_FAMILIES] + [
-    ("phi3", {"partial_rotary_factor": 0.5})])  # dims that never rotate go into the latent
+    ("phi3", {"partial_rotary_factor": 0.5}),  # dims that never rotate go into the latent
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True})])  # a different softmax scale per layer
 def test_full_rank_is_exact_plain_absorbed_and_cached(family, extra):
     model = tiny_model(family, **extra)
     ad = adapter_for(model.config)
@@ -253,18 +262,23 @@ def test_cli_writes_a_folder_that_reloads_with_trust_remote_code(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["kv_rank"] == 6 and "latent attention" in r.stderr
 
 
-def test_refit_lowers_the_error_and_runs_from_the_cli(tmp_path):
-    model = tiny_model("mistral", seed=3)
+@pytest.mark.parametrize("family", ["mistral", "gpt2"])  # GPT-2: a Conv1D family whose latent o_proj is Linear
+def test_refit_lowers_the_error_and_runs_from_the_cli(family, tmp_path):
+    model = tiny_model(family, seed=3)
     ad = adapter_for(model.config)
-    ids = sample_ids("mistral", batch=4, seq=24, seed=11)
+    ids = sample_ids(family, batch=4, seq=24, seed=11)
     cal = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     grams = attention_input_grams(model, ad, cal)
     ref = logits_of(model, ids)
-    plain = L.convert_model_latent(model, ad, 6, rope_dim=4, grams=grams)
-    refit = L.convert_model_latent(model, ad, 6, rope_dim=4, grams=grams, refit=True, batches=cal)
+    rope = _small_rope(model)
+    plain = L.convert_model_latent(model, ad, 6, rope_dim=rope, grams=grams)
+    refit = L.convert_model_latent(model, ad, 6, rope_dim=rope, grams=grams, refit=True, batches=cal)
     assert plain.refit is None and len(refit.refit) == 3
+    assert all(isinstance(ad.o_proj_module(refit.model, i), torch.nn.Linear) for i in range(3))
     err = [(logits_of(c.model, ids) - ref).pow(2).mean().item() for c in (plain, refit)]
     assert err[1] < err[0], err
+    if family != "mistral":
+        return
 
     src = save_tiny("llama", tmp_path / "src")
     r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--heldout-samples", 2,
@@ -306,11 +320,37 @@ def test_cli_bad_targets_exit_2(tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 def test_cli_unsupported_families_exit_2(tmp_path, family):
     src = save_tiny(family, tmp_path / "src")
     r = _cli(src, "--kv-rank", 4, "-o", tmp_path / "out")
     assert r.exit_code == 2 and "not supported yet" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_cli_learned_positions_default_to_no_rotary_key_and_reload(family, tmp_path):
+    """GPT-2 and OPT have no RoPE: --rope-dim defaults to 0 (the whole cache is the latent), any
+    other value is a usage error, and the folder reloads with remote code as the in-memory model."""
+    from transformers import AutoModelForCausalLM
+
+    from headtool.model.loading import load_model
+
+    src = save_tiny(family, tmp_path / "src")
+    bad = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 2, "--seq-len", 8, "-o", tmp_path / "bad")
+    assert bad.exit_code == 2 and "no rotary embedding" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    out = tmp_path / "out"
+    r = _cli(src, "--kv-rank", 6, "--data", "builtin:pydoc", "--max-samples", 4, "--seq-len", 16, "-o", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["rope_dim"] == 0 and doc["after"]["kv_cache_bytes_per_token"] == 3 * 6 * 4
+    assert doc["before"]["kv_cache_bytes_per_token"] == 3 * 2 * 32 * 4
+    assert "there is no rotary key" in (out / "README.md").read_text()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ours = load_model(str(out), dtype="float32", device="cpu")
+    ids = sample_ids(family, seed=3)
+    assert (logits_of(reloaded, ids) - logits_of(ours.model, ids)).abs().max().item() <= 1e-5
+    assert _generate(reloaded, ids[:1, :5], 4).tolist() == _generate(ours.model, ids[:1, :5], 4).tolist()
 
 
 def test_cli_existing_output_refused(tmp_path):
@@ -393,7 +433,7 @@ def test_folded_absorbed_decode_equals_plain_and_refolds_when_weights_change(fam
     model = tiny_model(family)
     ad = adapter_for(model.config)
     ids = sample_ids(family, seed=3)
-    conv = L.convert_model_latent(model, ad, 4, rope_dim=4, grams=_grams(model, family))
+    conv = L.convert_model_latent(model, ad, 4, rope_dim=_small_rope(model), grams=_grams(model, family))
     layers = [m for m in conv.model.modules() if isinstance(m, LatentAttention)]
     assert all(m._folds() for m in layers)
 

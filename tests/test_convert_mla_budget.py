@@ -165,21 +165,25 @@ def test_per_layer_ranks_reload_with_plain_transformers(tmp_path):
     assert [m.kv_rank for m in remote.modules() if type(m).__name__ == "LatentAttention"] == ranks
 
 
-def test_inspect_reads_latent_attention_exactly(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])  # GPT-2 / NeoX: o_proj named otherwise
+def test_inspect_reads_latent_attention_exactly(family, tmp_path):
     """At full rank the latent model's attention is the original's, head by head: inspect reports
     the same statistics; every query head shares the latent, so a layer is one group."""
     from headtool.io.output import write_output
     from headtool.model.loading import model_from_object
 
-    model = tiny_model("llama")
+    model = tiny_model(family)
     ad = adapter_for(model.config)
-    ids = sample_ids("llama", batch=2, seq=24, seed=7)
+    ids = sample_ids(family, batch=2, seq=24, seed=7)
     grams = attention_input_grams(model, ad, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
-    conv = L.convert_model_latent(model, ad, 32 - 16, rope_dim=16, grams=grams)
-    src = save_tiny("llama", tmp_path / "src")  # the same seed: the same weights, with a tokenizer
+    geo = ad.geometry(model.config)[0]
+    rope = geo.num_kv_heads * ad.rotary_dim(model.config, geo.head_dim)
+    rank = L.latent_dims(geo, 0, rope)
+    conv = L.convert_model_latent(model, ad, rank, rope_dim=rope, grams=grams)
+    src = save_tiny(family, tmp_path / "src")  # the same seed: the same weights, with a tokenizer
     from tiny_models import tokenizer_for
 
-    write_output(tmp_path / "mla", model=conv.model, tokenizer=tokenizer_for("llama"),
+    write_output(tmp_path / "mla", model=conv.model, tokenizer=tokenizer_for(family),
                  source=model_from_object(model), meta={"operation": "convert-mla"})
     docs = []
     for m in (src, tmp_path / "mla"):
@@ -191,5 +195,9 @@ def test_inspect_reads_latent_attention_exactly(tmp_path):
     a, b = docs
     for key in ("entropy", "mean_distance", "first_token_mass", "output_rms"):
         assert torch.allclose(torch.tensor(a["statistics"][key]), torch.tensor(b["statistics"][key]), atol=1e-4), key
-    assert b["kv_groups"]["group_size"] == [4, 4, 4] and a["kv_groups"]["group_size"] == [2, 2, 2]
-    assert b["model"]["kv_rank"] == 16
+    assert b["kv_groups"]["group_size"] == [4, 4, 4]
+    if geo.num_kv_heads == geo.num_heads:  # multi-head attention has no groups to report
+        assert a["kv_groups"] is None
+    else:
+        assert a["kv_groups"]["group_size"] == [geo.num_heads // geo.num_kv_heads] * 3
+    assert b["model"]["kv_rank"] == rank

@@ -125,8 +125,9 @@ class Adapter:
     resize_attrs: tuple[tuple[str, str], ...] = ()
     resize_config_keys: tuple[tuple[str, str], ...] = ()
     # convert-mla: the attention can be rebuilt as latent attention exactly (RoPE on rotate_half
-    # pairs, softmax(q.k * scaling) with the module's `scaling` attribute and what
-    # attention_extras names, no qk-norm, called by the decoder layer as the Llama attention is)
+    # pairs or none at all, softmax(q.k * scaling) with the module's `scaling` attribute and what
+    # attention_extras names, no qk-norm, called by the decoder layer with the hidden states, the
+    # mask, (cos, sin) if rotary and the cache as `cache`, `past_key_values` or `layer_past`)
     latent: bool = False
 
     # ---------------------------------------------------------------- geometry
@@ -174,6 +175,11 @@ class Adapter:
         return self.base_model(model).get_submodule(f"{self.layers_path}.{i}")
 
     def o_proj_module(self, model: nn.Module, i: int) -> nn.Module:
+        """Layer i's output projection: the family's, or, once convert-mla replaced the attention,
+        the latent attention's own `o_proj` (an nn.Linear in every family)."""
+        attn = self.attention_module(model, i)
+        if getattr(attn, "kv_b_proj", None) is not None:
+            return attn.o_proj
         return self.layer_module(model, i).get_submodule(self.o_proj)
 
     def attention_module(self, model: nn.Module, i: int) -> nn.Module:
@@ -194,7 +200,11 @@ class Adapter:
     def qkv_axis(self) -> int:
         return 1 if self.conv1d else 0
 
-    def o_axis(self) -> int:
+    def o_axis(self, module: nn.Module | None = None) -> int:
+        """Axis of the output projection's weight that runs over the heads: 1 for [out, in]
+        (nn.Linear, also latent attention's o_proj in a Conv1D family), 0 for GPT-2's Conv1D."""
+        if isinstance(module, nn.Linear):
+            return 1
         return 0 if self.conv1d else 1
 
     # ---------------------------------------------------------------- convert-gqa (K/V merging)

@@ -71,6 +71,7 @@ GPT2 = Adapter(
     conv1d=True,
     # c_attn's output is split in chunks of split_size (q, k, v)
     resize_attrs=(("attn.num_heads", "num_heads"), ("attn.split_size", "q_width")),
+    latent=True,  # learned positions: no rotary key, all of K and V in the latent
 )
 
 GPT_NEOX = Adapter(
@@ -86,6 +87,7 @@ GPT_NEOX = Adapter(
     ),
     support=ConfigSupport(kv_heads=False, explicit_head_dim=False, heads_need_not_divide_hidden=False),
     rotary=True,
+    latent=True,  # partial rotary: the dims that never rotate go into the latent
 )
 
 OPT = Adapter(
@@ -96,6 +98,7 @@ OPT = Adapter(
     tensors=_separate("self_attn.", "q_proj", "k_proj", "v_proj", "self_attn.out_proj", bias=True),
     support=ConfigSupport(kv_heads=False, explicit_head_dim=False, heads_need_not_divide_hidden=False),
     resize_attrs=(("self_attn.num_heads", "num_heads"),),
+    latent=True,  # learned positions: no rotary key, all of K and V in the latent
 )
 
 LLAMA = _llama_like("llama", ("llama",), divides=False, latent=True)

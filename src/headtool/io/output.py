@@ -149,13 +149,18 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
            f"config carries a per-layer table (`{LAYOUT_KEY}`) and `{MODELING_FILE}` builds the model "
            "(it needs only torch and transformers): load with `trust_remote_code=True`.")
     if op == "convert-mla" or meta.get("kv_rank") is not None:  # also a recipe with a convert_mla step
-        why = (f"Its attention layers are multi-head latent attention: the KV cache holds one latent vector and "
-               f"one shared rotary key per token and layer. `{MODELING_FILE}` builds the family's model with "
+        rotary = meta.get("rope_dim") != 0
+        holds = ("one latent vector and one shared rotary key" if rotary else
+                 "one latent vector (the family's positions are learned, so there is no rotary key)")
+        why = (f"Its attention layers are multi-head latent attention: the KV cache holds {holds} per token and "
+               f"layer. `{MODELING_FILE}` builds the family's model with "
                f"those layers from the table `{MLA_KEY}` in config.json (it needs only torch and transformers): "
                "load with `trust_remote_code=True`. A stock DeepSeek-V2/V3 config cannot express the layout "
                "exactly: DeepSeek normalizes the latent (RMSNorm, `kv_a_layernorm`) before the up-projection, "
-               "which no weights can undo, and its rotary key turns with the frequencies of its own "
-               "`qk_rope_head_dim`, whereas these rotary slots keep the planes of the original heads.")
+               "which no weights can undo, and "
+               + ("its rotary key turns with the frequencies of its own `qk_rope_head_dim`, whereas these rotary "
+                  "slots keep the planes of the original heads." if rotary else
+                  "its layers are Llama's (RMSNorm, gated MLP, RoPE), not this family's."))
     lines = [
         "---", "library_name: transformers", "tags:", "- headtool", f"- {op}", "---", "",
         f"# {op} of {src.get('ref') or src.get('path') or 'a model'}", "",

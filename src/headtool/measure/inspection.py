@@ -25,7 +25,6 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..arch import Adapter, HeadTensor, LayerHeads
-from ..arch.heads import extract_heads
 from ..console import progress
 from ..data.batches import to_device
 from ..errors import UsageError
@@ -129,10 +128,12 @@ def o_weight_tensor(adapter: Adapter) -> HeadTensor:
 
 
 def head_output_maps(model, adapter: Adapter, layer: int, geo: LayerHeads) -> torch.Tensor:
-    """[H, head_dim, hidden]: head h's output contribution is x_h @ maps[h] (Linear or Conv1D alike)."""
-    ht = o_weight_tensor(adapter)
-    w = adapter.layer_module(model, layer).get_parameter(ht.name).detach()
-    return extract_heads(w.float(), ht, geo, "o")
+    """[H, head_dim, hidden]: head h's output contribution is x_h @ maps[h] (Linear or Conv1D
+    alike, and latent attention's o_proj, a Linear in every family)."""
+    module = adapter.o_proj_module(model, layer)
+    w = module.weight.detach().float()
+    w = w.T if adapter.o_axis(module) == 1 else w  # [heads x head_dim, hidden]
+    return w.reshape(geo.num_heads, geo.head_dim, -1)
 
 
 # --------------------------------------------------------------------------- accumulation

@@ -50,7 +50,7 @@ class LayerStats:
 def o_proj_matrix(adapter: Adapter, module: nn.Module) -> torch.Tensor:
     """The output projection as W [out, in] (float64) with its bias as an extra column if any."""
     w = module.weight.detach().to(torch.float64)
-    w = w if adapter.o_axis() == 1 else w.T
+    w = w if adapter.o_axis(module) == 1 else w.T
     b = getattr(module, "bias", None)
     if b is not None:
         w = torch.cat([w, b.detach().to(torch.float64)[:, None]], dim=1)
@@ -64,7 +64,7 @@ def set_o_proj_matrix(adapter: Adapter, module: nn.Module, w: torch.Tensor) -> N
         if b is not None:
             b.copy_(w[:, -1].to(b.dtype))
             w = w[:, :-1]
-        module.weight.copy_((w if adapter.o_axis() == 1 else w.T).to(module.weight.dtype))
+        module.weight.copy_((w if adapter.o_axis(module) == 1 else w.T).to(module.weight.dtype))
 
 
 def o_columns(adapter: Adapter, geo: LayerHeads, heads: Sequence[int]) -> list[int]:

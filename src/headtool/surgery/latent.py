@@ -74,7 +74,11 @@ def check_latent_target(adapter: Adapter, config, geometry: Sequence[LayerHeads]
                          f"{', '.join(latent_families())})")
     rot = [adapter.rotary_dim(config, g.head_dim) for g in geometry]
     max_rope = min(g.num_kv_heads * r for g, r in zip(geometry, rot))
-    if rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
+    if not max_rope:  # learned positions (GPT-2, OPT): no rotary key, all of K and V in the latent
+        if rope_dim:
+            raise UsageError(f"--rope-dim {rope_dim}: the {adapter.family} family has no rotary embedding; use "
+                             "--rope-dim 0 (the default)")
+    elif rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
         raise UsageError(f"--rope-dim {rope_dim}: must be even, at least 2 and at most the rotary dims of all KV "
                          f"heads of a layer ({max_rope})")
     ranks = [int(kv_rank)] * len(geometry) if isinstance(kv_rank, int) else [int(r) for r in kv_rank]
@@ -189,16 +193,24 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
     P, n = rot_dim // 2, rope_dim // 2
     if n > P * K:
         raise UsageError(f"--rope-dim {rope_dim}: at most {2 * P * K} rotary dims in a layer")
-    u, lam = (rorope if rotate else identity_mix)(b.k, gram, rot_dim)
-    slots = choose_slots(u, lam, b.q, gram, geo, rot_dim, n, plane_weight)
+    if P:
+        u, lam = (rorope if rotate else identity_mix)(b.k, gram, rot_dim)
+        slots = choose_slots(u, lam, b.q, gram, geo, rot_dim, n, plane_weight)
+    else:  # no RoPE: no planes to mix, no rotary key
+        u, lam = b.k.new_zeros(0, K, K, dtype=torch.complex128), b.k.new_zeros(0, K)
+        slots = []
     dropped = sorted(set((p, m) for p in range(P) for m in range(K)) - set(slots), key=lambda s: (s[1], s[0]))
     zk = torch.einsum("pmj,jpd->mpd", u, _planes(b.k, rot_dim))  # rotated key planes [K, P, D+1]
     zq = _planes(b.q, rot_dim)  # [H, P, D+1]
     jh = [geo.kv_head_of(h) for h in range(H)]
 
     # shared rotary key and each head's rotary query
-    k_rope = _real_rows(torch.stack([zk[m, p] for p, m in slots]))
-    q_rope = [_real_rows(torch.stack([u[p, m, jh[h]] * zq[h, p] for p, m in slots])) for h in range(H)]
+    if slots:
+        k_rope = _real_rows(torch.stack([zk[m, p] for p, m in slots]))
+        q_rope = [_real_rows(torch.stack([u[p, m, jh[h]] * zq[h, p] for p, m in slots])) for h in range(H)]
+    else:
+        k_rope = b.k.new_zeros(0, b.k.shape[-1])
+        q_rope = [k_rope] * H
 
     # the key without RoPE: dropped slots (real parts, imaginary parts), then dims that never rotate
     nd, f = len(dropped), d - rot_dim
@@ -216,7 +228,9 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
         lmap[j, rot_dim:, 2 * nd + j * f: 2 * nd + (j + 1) * f] = torch.eye(f, dtype=lmap.dtype)
     c_v = b.v.reshape(K * d, -1)
     y = torch.cat([c_k, c_v])
-    report: dict[str, Any] = {"rope_energy": float(lam[tuple(zip(*slots))].sum() / lam.sum().clamp_min(_EPS))}
+    # the share of the rotary key energy that keeps RoPE (all of it where nothing rotates)
+    rope_energy = float(lam[tuple(zip(*slots))].sum() / lam.sum().clamp_min(_EPS)) if slots else float(not P)
+    report: dict[str, Any] = {"rope_energy": rope_energy}
 
     gq = torch.einsum("hfd,de,hge->hfg", b.q[:, :, :], gram, b.q)  # E[q_h q_h^T] [H, d, d]
     sens = torch.ones(H, dtype=y.dtype)
@@ -436,9 +450,7 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         slots.append(layer.slots)
         reports.append({"layer": i, "kv_rank": ranks[i], **{k: round(v, 6) for k, v in layer.report.items()}})
     g = geometry[0]
-    scaling = {adapter.attention_scaling(original, i) for i in range(len(geometry))}
-    if len(scaling) != 1:
-        raise UsageError("convert-mla: layers with different attention scaling are not supported yet")
+    scaling = [adapter.attention_scaling(original, i) for i in range(len(geometry))]
     extras = [adapter.attention_extras(original, i) for i in range(len(geometry))]
     softcap = {e["softcap"] for e in extras}
     if len(softcap) != 1:
@@ -448,7 +460,7 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         "num_heads": g.num_heads, "qk_nope_dim": g.head_dim if latent_dims(g, rot, rope_dim) > g.num_kv_heads * g.head_dim
         else 0, "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
-        "scaling": scaling.pop(), "q_bias": q_bias, "kv_bias": kv_bias, "o_bias": o_bias, "absorb": absorb,
+        "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias, "kv_bias": kv_bias, "o_bias": o_bias, "absorb": absorb,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
         "source_num_kv_heads": g.num_kv_heads,
     }

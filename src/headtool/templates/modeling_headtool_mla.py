@@ -92,7 +92,8 @@ class LatentAttention(nn.Module):
         self.rope_planes = [int(p) for p in spec["rope_planes"][layer_idx]]
         self.rotary_half = int(spec["rotary_dim"]) // 2
         self._every_plane = self.rope_planes == list(range(self.rotary_half))
-        self.scaling = float(spec["scaling"])
+        scaling = spec["scaling"]  # one number, or one per layer (GPT-2 can scale by 1 / layer)
+        self.scaling = float(scaling[layer_idx] if isinstance(scaling, (list, tuple)) else scaling)
         self.absorb = spec.get("absorb", "auto")
         self.is_causal = True
         self.attention_dropout = 0.0
@@ -164,8 +165,9 @@ class LatentAttention(nn.Module):
         return out.transpose(1, 2), weights
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values
+                past_key_values=None, layer_past=None, **kwargs):
+        # the families name the cache differently (GPT-NeoX: layer_past)
+        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         b, t = hidden_states.shape[:2]
         h, nope, rope, rank, vd = self.num_heads, self.qk_nope_dim, self.rope_dim, self.kv_rank, self.v_head_dim
         absorbed = self._absorbed(t)
@@ -178,14 +180,15 @@ class LatentAttention(nn.Module):
             q = self.q_proj(hidden_states).view(b, t, h, nope + rope).transpose(1, 2)
             q_nope, q_rope = q.split([nope, rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], dim=-1)
-        cos, sin = position_embeddings
-        if not (self._every_plane and cos.shape[-1] == rope):  # else the slots are the columns, in order
-            idx = self._slots(cos.device)
-            cos, sin = cos[..., idx], sin[..., idx]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q_rope = q_rope * cos + rotate_half(q_rope) * sin
         k_rope = k_rope.reshape(b, 1, t, rope)
-        k_rope = k_rope * cos + rotate_half(k_rope) * sin
+        if rope:  # families without RoPE (GPT-2, OPT: learned positions) have no rotary key
+            cos, sin = position_embeddings
+            if not (self._every_plane and cos.shape[-1] == rope):  # else the slots are the columns, in order
+                idx = self._slots(cos.device)
+                cos, sin = cos[..., idx], sin[..., idx]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q_rope = q_rope * cos + rotate_half(q_rope) * sin
+            k_rope = k_rope * cos + rotate_half(k_rope) * sin
         # what a token leaves in the cache: its latent and the shared rotary key side by side, one
         # [b, 1, t, kv_rank + rope_dim] tensor in the cache's key slot (the value slot holds no
         # dims): nothing per head, and the absorbed path attends over it without copying it

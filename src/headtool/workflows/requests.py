@@ -257,7 +257,8 @@ class LatentRequest:
                                   "a different kv_rank per layer: each latent dim goes to the layer whose weighted "
                                   "error it lowers most, from the calibration spectra)", choices=RANK_ALLOCATIONS)
     rope_dim: int | None = option(None, "dims of the rotary key shared by all query heads (even); default one "
-                                  "head's rotary dims; KV heads x rotary dims keeps RoPE exact", min=2)
+                                  "head's rotary dims; KV heads x rotary dims keeps RoPE exact; 0 (the only "
+                                  "value) without RoPE (GPT-2, OPT)", min=0)
     output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
     damping: float = option(1e-2, "ridge on the calibration Gram of the latent factorization and of the refit, "
                             "relative to its mean diagonal", min=0)
