@@ -22,14 +22,15 @@ from headtool.surgery import merging as C
 # plain, sliding window unset, q/k/v biases, Gemma (MQA), Gemma 2 (soft-capped scores, sliding
 # layers), Phi-3 (fused qkv), GPT-NeoX (interleaved fused qkv, partial rotary, parallel residual,
 # the cache named layer_past), GPT-2 (Conv1D, learned positions: no rotary key), OPT (learned
-# positions, biases everywhere)
-LATENT_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox", "gpt2", "opt"]
+# positions, biases everywhere), Qwen 3 and Gemma 3 (q and k RMS-normed per head: the latent is
+# taken over the normed keys and the values; Gemma 3 with sliding and global layers)
+LATENT_FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt_neox", "gpt2", "opt", "qwen3",
+                   "gemma3_text"]
 
 
 def _grams(model, family: str):
     ids = sample_ids(family, batch=2, seq=24, seed=7)
-    return attention_input_grams(model, adapter_for(model.config), [{"input_ids": ids,
-                                                                      "attention_mask": torch.ones_like(ids)}])
+    return L.latent_grams(model, adapter_for(model.config), [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
 
 
 def _full(model):
@@ -78,6 +79,44 @@ def test_full_rank_is_exact_plain_absorbed_and_cached(family, extra):
     assert _generate(conv.model, prompt).tolist() == _generate(model, prompt).tolist()
     assert (logits_of(model, ids) - ref).abs().max().item() == 0.0  # the input is untouched
     assert all(x["rope_energy"] == pytest.approx(1.0) and x["latent_energy"] == 1.0 for x in conv.layers)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_normed_head_grams_are_the_moments_of_the_normed_heads(family):
+    """Qwen 3 norms q/k on [b, t, heads, d], Gemma 3 on [b, heads, t, d]: the statistics must be
+    those of what the attention really uses, whatever the layout, padding left out."""
+    model = tiny_model(family)
+    ad = adapter_for(model.config)
+    geo = ad.geometry(model.config)[0]
+    H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
+    ids = sample_ids(family, batch=2, seq=12, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    grams = L.latent_grams(model, ad, [{"input_ids": ids, "attention_mask": mask}])
+    seen = {}
+    attn = ad.attention_module(model, 1)
+
+    def grab(name, heads):
+        def hook(module, args, out):
+            if name != "v":
+                out = out if out.shape[2] == heads else out.transpose(1, 2)  # -> [b, t, heads, d]
+            seen[name] = out.reshape(2, 12, -1).double()
+        return hook
+
+    handles = [attn.q_norm.register_forward_hook(grab("q", H)), attn.k_norm.register_forward_hook(grab("k", K)),
+               attn.v_proj.register_forward_hook(grab("v", K))]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for h in handles:
+        h.remove()
+    real = mask.reshape(-1).bool()
+    q = seen["q"].reshape(24, H, d)[real]
+    f = torch.cat([seen["k"], seen["v"]], -1).reshape(24, -1)[real]
+    f = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+    n = float(real.sum())
+    assert torch.allclose(grams[1].q, torch.einsum("nhd,nhe->hde", q, q) / n, atol=1e-5)
+    assert torch.allclose(grams[1].kv, f.T @ f / n, atol=1e-5)
+    assert grams[1].kv.shape == (2 * K * d + 1,) * 2
 
 
 def test_eager_attention_is_exact_too():
@@ -320,7 +359,7 @@ def test_cli_bad_targets_exit_2(tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["bert"])  # an encoder: no cache to shrink
 def test_cli_unsupported_families_exit_2(tmp_path, family):
     src = save_tiny(family, tmp_path / "src")
     r = _cli(src, "--kv-rank", 4, "-o", tmp_path / "out")
@@ -435,7 +474,9 @@ def test_folded_absorbed_decode_equals_plain_and_refolds_when_weights_change(fam
     ids = sample_ids(family, seed=3)
     conv = L.convert_model_latent(model, ad, 4, rope_dim=_small_rope(model), grams=_grams(model, family))
     layers = [m for m in conv.model.modules() if isinstance(m, LatentAttention)]
-    assert all(m._folds() for m in layers)
+    # a per-head norm between q_proj and the key up-projection leaves nothing to fold (Qwen 3, Gemma 3)
+    folds = not adapter_for(model.config).qk_norm
+    assert all(m._folds() == folds for m in layers)
 
     def gap() -> float:
         _absorb(conv.model, False)
@@ -444,7 +485,7 @@ def test_folded_absorbed_decode_equals_plain_and_refolds_when_weights_change(fam
         return (logits_of(conv.model, ids) - plain).abs().max().item()
 
     assert gap() <= 1e-4
-    assert all(m._folded is not None for m in layers)  # the folded weights did the work
+    assert all((m._folded is not None) == folds for m in layers)  # the folded weights did the work
     with torch.no_grad():
         for m in layers:
             m.kv_b_proj.weight.mul_(1.5)

@@ -165,7 +165,8 @@ def test_per_layer_ranks_reload_with_plain_transformers(tmp_path):
     assert [m.kv_rank for m in remote.modules() if type(m).__name__ == "LatentAttention"] == ranks
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])  # GPT-2 / NeoX: o_proj named otherwise
+# GPT-2 / NeoX: o_proj named otherwise; Qwen 3: normed heads
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "qwen3"])
 def test_inspect_reads_latent_attention_exactly(family, tmp_path):
     """At full rank the latent model's attention is the original's, head by head: inspect reports
     the same statistics; every query head shares the latent, so a layer is one group."""
@@ -175,7 +176,7 @@ def test_inspect_reads_latent_attention_exactly(family, tmp_path):
     model = tiny_model(family)
     ad = adapter_for(model.config)
     ids = sample_ids(family, batch=2, seq=24, seed=7)
-    grams = attention_input_grams(model, ad, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+    grams = L.latent_grams(model, ad, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
     geo = ad.geometry(model.config)[0]
     rope = geo.num_kv_heads * ad.rotary_dim(model.config, geo.head_dim)
     rank = L.latent_dims(geo, 0, rope)

@@ -104,9 +104,9 @@ OPT = Adapter(
 LLAMA = _llama_like("llama", ("llama",), divides=False, latent=True)
 MISTRAL = _llama_like("mistral", ("mistral",), divides=True, latent=True)
 QWEN2 = _llama_like("qwen2", ("qwen2",), divides=True, latent=True)
-QWEN3 = _llama_like("qwen3", ("qwen3",), divides=True, qk_norm=True)
+QWEN3 = _llama_like("qwen3", ("qwen3",), divides=True, qk_norm=True, latent=True)
 GEMMA = _llama_like("gemma", ("gemma", "gemma2"), divides=False, latent=True)
-GEMMA3 = _llama_like("gemma3", ("gemma3_text",), divides=False, qk_norm=True)
+GEMMA3 = _llama_like("gemma3", ("gemma3_text",), divides=False, qk_norm=True, latent=True)
 
 PHI3 = Adapter(
     family="phi3",

@@ -29,6 +29,12 @@ K/V merging (`merging`), whose plane helpers this module shares.
    in the head's own d coordinates (so the head's no-RoPE query is its original query, without
    RoPE), and W_uv^h = B_v rows of head j(h); at decode both are absorbed (see the modeling file).
 At full rank (kv_rank = every dim of Y, rope_dim = K x r) every step is exact.
+
+Families without RoPE (GPT-2, OPT) have no planes: no rotary key, all of K and V in the latent.
+Families that RMS-norm every q and k head before RoPE (Qwen 3, Gemma 3) have no affine q and k:
+there the same steps run over features instead of x~ (`normed_blocks`): the queries over each
+head's normed query, K and V over f~ = [normed keys, values, 1], with their Grams from
+`calibration.normed_head_grams`; the layer keeps its projections and norms to compute them.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import torch
 from ..arch import Adapter, LayerHeads, latent_families
 from ..arch.heads import layer_tensor_names
 from ..errors import UsageError
+from ..measure.calibration import NormedGrams, attention_input_grams, normed_head_grams
 from ..model.info import model_info
 from ..model.latent import install_latent
 from ..model.placement import require_resident_weights
@@ -120,12 +127,28 @@ def position_weight(inv_freq: torch.Tensor, context: int, points: int = 64) -> t
     return (2 * (1 - torch.cos(inv_freq.to(torch.float64)[:, None] * delta[None, :]))).mean(1)
 
 
+def _query_plane_energy(q: torch.Tensor, gram: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """E|q_h^p|^2 per plane and query head [P, H]; `gram` shared by all heads [D+1, D+1] (q over
+    the attention input) or one per head [H, d, d] (q over the head's own normed query)."""
+    z = _planes(q, rot_dim)
+    if gram.dim() == 3:
+        return torch.einsum("hpd,hde,hpe->ph", z, gram.to(z.dtype), z.conj()).real
+    return _plane_moments(z, gram).diagonal(dim1=1, dim2=2).real
+
+
+def _query_moments(q: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """E[q_h q_h^T] per query head [H, d, d] (`gram` as in _query_plane_energy)."""
+    if gram.dim() == 3:
+        return torch.einsum("hfd,hde,hge->hfg", q, gram, q)
+    return torch.einsum("hfd,de,hge->hfg", q, gram, q)
+
+
 def choose_slots(u: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, gram: torch.Tensor, geo: LayerHeads,
                  rot_dim: int, n: int, plane_weight: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """The n (plane, rotated head) slots that keep RoPE: most key energy times the energy of the
     queries that read them (times `plane_weight`, how much position matters on the plane);
-    ordered by rotated head, then plane."""
-    eq = _plane_moments(_planes(q, rot_dim), gram).diagonal(dim1=1, dim2=2).real  # [P, H]
+    ordered by rotated head, then plane. `gram` is the queries' (see _query_plane_energy)."""
+    eq = _query_plane_energy(q, gram, rot_dim)  # [P, H]
     j = torch.tensor([geo.kv_head_of(h) for h in range(geo.num_heads)])
     read = (u[:, :, j].abs() ** 2 * eq[:, None, :]).sum(-1)  # [P, K]: query energy per slot
     if plane_weight is not None:
@@ -182,8 +205,10 @@ class LayerProblem:
 def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int,
                   damping: float = DEFAULT_DAMPING, rotate: bool = True,
                   plane_weight: torch.Tensor | None = None, balance: str = "normalized",
-                  key_weight: float = DEFAULT_KEY_WEIGHT, scaling: float = 1.0) -> LayerProblem:
-    """Steps 1-3 of the module doc for one layer, everything but the rank.
+                  key_weight: float = DEFAULT_KEY_WEIGHT, scaling: float = 1.0,
+                  q_gram: torch.Tensor | None = None) -> LayerProblem:
+    """Steps 1-3 of the module doc for one layer, everything but the rank. `q_gram` (per head
+    [H, d, d]) when the queries are over their own normed heads, not over `gram`'s input.
 
     Its spectrum is what `allocate_ranks` compares across layers: the share of the layer's own
     weighted V energy (and, at `key_weight`, K energy) that each latent dim keeps. Relative, not
@@ -195,7 +220,7 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
         raise UsageError(f"--rope-dim {rope_dim}: at most {2 * P * K} rotary dims in a layer")
     if P:
         u, lam = (rorope if rotate else identity_mix)(b.k, gram, rot_dim)
-        slots = choose_slots(u, lam, b.q, gram, geo, rot_dim, n, plane_weight)
+        slots = choose_slots(u, lam, b.q, gram if q_gram is None else q_gram, geo, rot_dim, n, plane_weight)
     else:  # no RoPE: no planes to mix, no rotary key
         u, lam = b.k.new_zeros(0, K, K, dtype=torch.complex128), b.k.new_zeros(0, K)
         slots = []
@@ -232,7 +257,7 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
     rope_energy = float(lam[tuple(zip(*slots))].sum() / lam.sum().clamp_min(_EPS)) if slots else float(not P)
     report: dict[str, Any] = {"rope_energy": rope_energy}
 
-    gq = torch.einsum("hfd,de,hge->hfg", b.q[:, :, :], gram, b.q)  # E[q_h q_h^T] [H, d, d]
+    gq = _query_moments(b.q, gram if q_gram is None else q_gram)  # E[q_h q_h^T] [H, d, d]
     sens = torch.ones(H, dtype=y.dtype)
     if balance == "output":
         # first-order: a score error e moves head h's output by about e (v - mean v) through W_o^h
@@ -304,6 +329,33 @@ def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, r
     return finish_layer(pb, b, geo, kv_rank)
 
 
+# --------------------------------------------------------------------------- qk-normed families
+def latent_grams(model, adapter: Adapter, batches: Sequence[dict], device=None) -> dict:
+    """The calibration statistics convert_model_latent needs for this family: attention-input
+    Grams, or per-head normed features where q and k are normed per head."""
+    if adapter.qk_norm:
+        return normed_head_grams(model, adapter, batches, device=device)
+    return attention_input_grams(model, adapter, batches, device=device)
+
+
+def normed_blocks(geo: LayerHeads, o: torch.Tensor) -> Blocks:
+    """Blocks of a layer whose q and k are RMS-normed per head (Qwen 3, Gemma 3), over features
+    instead of the attention input: each query head is the identity on its own normed query
+    [H, d, d]; K and V select their rows of f~ = [normed k_1..k_K, v_1..v_K, 1] [K, d, 2Kd+1]
+    (`calibration.NormedGrams`). Every step of the module doc then runs unchanged: the latent
+    and the rotary key are linear maps of the normed keys and the values, the queries of the
+    normed queries, and at full rank the layer is exact again."""
+    H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
+    feats = 2 * K * d + 1
+    eye = torch.eye(d, dtype=torch.float64)
+    k = torch.zeros(K, d, feats, dtype=torch.float64)
+    v = torch.zeros(K, d, feats, dtype=torch.float64)
+    for j in range(K):
+        k[j, :, j * d:(j + 1) * d] = eye
+        v[j, :, (K + j) * d:(K + j + 1) * d] = eye
+    return Blocks(eye.expand(H, d, d).clone(), k, v, o)
+
+
 # --------------------------------------------------------------------------- ranks per layer
 RANK_ALLOCATIONS = ("uniform", "auto")
 
@@ -360,6 +412,28 @@ def _module_tensors(layer: LatentLayer, q_bias: bool, kv_bias: bool, o_bias: tor
     if o_bias is not None:
         out["o_proj.bias"] = o_bias
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
+
+
+NORMED_KEPT = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")  # what a qk-normed layer keeps of the original
+
+
+def _normed_module_tensors(layer: LatentLayer, attention, geo: LayerHeads, o_bias: torch.Tensor | None,
+                           dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The latent layer of a qk-normed family: the original q/k/v projections and norms (the
+    features), the per-head rotary query maps, the latent over [normed K, V] and the up-projection."""
+    H, d = geo.num_heads, geo.head_dim
+    q = layer.q.view(H, -1, d)  # [nope | rope] rows per head over the head's normed query
+    if layer.kv_a[:, -1].abs().max() > 1e-9:  # K and V rows select features: no constant term
+        raise AssertionError("the latent of normed features has a constant term")
+    out = {"q_rope_proj": q[:, layer.qk_nope_dim:].reshape(-1, d), "kv_a_proj_with_mqa.weight": layer.kv_a[:, :-1],
+           "kv_b_proj.weight": layer.kv_b, "o_proj.weight": layer.o.reshape(-1, layer.o.shape[-1]).T}
+    if o_bias is not None:
+        out["o_proj.bias"] = o_bias
+    out = {k: v.to(dtype).contiguous() for k, v in out.items()}
+    for name, value in attention.named_parameters():
+        if name.split(".")[0] in NORMED_KEPT:
+            out[name] = value.detach().clone()
+    return out
 
 
 @dataclass
@@ -430,12 +504,20 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     plane_weight = None
     if rope_context:
         plane_weight = position_weight(adapter.rotary_inv_freq(original), rope_context)
+    normed = bool(adapter.qk_norm)  # Qwen 3, Gemma 3: the latent is taken over normed features
+    if normed and not all(isinstance(grams[i], NormedGrams) for i in range(len(geometry))):
+        raise ValueError(f"{adapter.family}: q and k are normed per head; calibrate with "
+                         "calibration.normed_head_grams (latent_grams picks it)")
+
     def blocks(i: int) -> Blocks:
-        return read_blocks(state, adapter, adapter.layer_prefix(original, i), geometry[i])
+        b = read_blocks(state, adapter, adapter.layer_prefix(original, i), geometry[i])
+        return normed_blocks(geometry[i], b.o) if normed else b
 
     def problem(i: int) -> LayerProblem:
-        return prepare_layer(blocks(i), geometry[i], grams[i], rot, rope_dim, damping, rotate, plane_weight,
-                             balance, key_weight, adapter.attention_scaling(original, i))
+        g = grams[i]
+        return prepare_layer(blocks(i), geometry[i], g.kv if normed else g, rot, rope_dim, damping, rotate,
+                             plane_weight, balance, key_weight, adapter.attention_scaling(original, i),
+                             q_gram=g.q if normed else None)
 
     problems: list[LayerProblem | None] = [None] * len(geometry)
     if allocation == "auto":  # every layer's spectrum first, then the ranks, then the factorizations
@@ -446,7 +528,8 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         problems[i] = None
         layer = finish_layer(pb, blocks(i), geo, ranks[i])
         ob = biases[i].detach() if o_bias else None
-        tensors.append(_module_tensors(layer, q_bias, kv_bias, ob, dtype))
+        tensors.append(_normed_module_tensors(layer, adapter.attention_module(original, i), geo, ob, dtype)
+                       if normed else _module_tensors(layer, q_bias, kv_bias, ob, dtype))
         slots.append(layer.slots)
         reports.append({"layer": i, "kv_rank": ranks[i], **{k: round(v, 6) for k, v in layer.report.items()}})
     g = geometry[0]
@@ -460,7 +543,8 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         "num_heads": g.num_heads, "qk_nope_dim": g.head_dim if latent_dims(g, rot, rope_dim) > g.num_kv_heads * g.head_dim
         else 0, "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
-        "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias, "kv_bias": kv_bias, "o_bias": o_bias, "absorb": absorb,
+        "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias and not normed, "kv_bias": kv_bias and not normed, "o_bias": o_bias, "absorb": absorb,
+        "qk_norm": normed,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
         "source_num_kv_heads": g.num_kv_heads,
     }

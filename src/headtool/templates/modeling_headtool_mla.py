@@ -80,7 +80,7 @@ class LatentAttention(nn.Module):
     rope_planes[s] of the original heads (rotate_half pairs (s, s + rope_dim / 2)).
     """
 
-    def __init__(self, config, layer_idx: int, spec: dict):
+    def __init__(self, config, layer_idx: int, spec: dict, source: nn.Module | None = None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -104,8 +104,23 @@ class LatentAttention(nn.Module):
         self.softcap = spec.get("softcap")  # Gemma 2: tanh soft-capping of the scores
         hidden = int(spec["hidden_size"])
         h = self.num_heads
-        self.q_proj = nn.Linear(hidden, h * (self.qk_nope_dim + self.rope_dim), bias=bool(spec["q_bias"]))
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
+        # qk-normed families (Qwen 3, Gemma 3) norm every query and key head before RoPE: the layer
+        # keeps the original projections and norms (from `source`, the attention it replaces) and
+        # takes the latent and the rotary key over [normed keys, values], the rotary queries per
+        # head over the normed query (q_rope_proj [heads x rope_dim, head_dim]); the no-RoPE query
+        # is the normed query itself
+        self.qk_norm = bool(spec.get("qk_norm"))
+        if self.qk_norm:
+            if source is None:
+                raise ValueError("latent attention over normed heads is built from the attention it replaces")
+            for name in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
+                setattr(self, name, getattr(source, name))
+            features = 2 * int(spec["source_num_kv_heads"]) * self.v_head_dim
+            self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
+            self.kv_a_proj_with_mqa = nn.Linear(features, self.kv_rank + self.rope_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, h * (self.qk_nope_dim + self.rope_dim), bias=bool(spec["q_bias"]))
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
         self.kv_b_proj = nn.Linear(self.kv_rank, h * (self.qk_nope_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bool(spec["o_bias"]))
         self._index: dict = {}
@@ -127,7 +142,7 @@ class LatentAttention(nn.Module):
         """Whether to fold the up-projections into q_proj and o_proj: at the ranks a cache saving
         needs (a latent no wider than one head's key and value), where the folded weights are about
         the size of the originals and save two small per-head products a step; not near full rank."""
-        return self.kv_rank <= self.qk_nope_dim + self.v_head_dim
+        return self.kv_rank <= self.qk_nope_dim + self.v_head_dim and not self.qk_norm  # a norm sits in between
 
     def _folded_weights(self):
         """(q weight, q bias, o weight) with the key up-projection folded into the query's no-RoPE
@@ -176,10 +191,20 @@ class LatentAttention(nn.Module):
         if folded is not None:  # the query arrives in latent space: [q_nope W_uk | q_rope] per head
             q = nn.functional.linear(hidden_states, folded[0], folded[1]).view(b, t, h, rank + rope).transpose(1, 2)
             q_lat, q_rope = q.split([rank, rope], dim=-1)
+        elif self.qk_norm:
+            shape = (b, t, -1, vd)
+            qn = self.q_norm(self.q_proj(hidden_states).view(shape))  # [b, t, h, head_dim]
+            q_rope = torch.einsum("bthd,hrd->bhtr", qn, self.q_rope_proj.view(h, rope, vd))
+            q_nope = qn.transpose(1, 2)[..., :nope]
         else:
             q = self.q_proj(hidden_states).view(b, t, h, nope + rope).transpose(1, 2)
             q_nope, q_rope = q.split([nope, rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], dim=-1)
+        if self.qk_norm:
+            k = self.k_norm(self.k_proj(hidden_states).view(b, t, -1, vd)).reshape(b, t, -1)
+            features = torch.cat([k, self.v_proj(hidden_states)], dim=-1)
+        else:
+            features = hidden_states
+        latent, k_rope = self.kv_a_proj_with_mqa(features).split([rank, rope], dim=-1)
         k_rope = k_rope.reshape(b, 1, t, rope)
         if rope:  # families without RoPE (GPT-2, OPT: learned positions) have no rotary key
             cos, sin = position_embeddings
@@ -254,7 +279,7 @@ def install_latent_attention(model: nn.Module, config) -> None:
         owner_path, _, name = spec["attention"].rpartition(".")
         owner = layer.get_submodule(owner_path) if owner_path else layer
         old = getattr(owner, name)
-        new = LatentAttention(config, i, spec)
+        new = LatentAttention(config, i, spec, source=old)
         ref = next(old.parameters(), None)
         if ref is not None and ref.device.type != "meta":
             new = new.to(device=ref.device, dtype=ref.dtype)

@@ -13,7 +13,6 @@ from ..data.batches import resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.loading import LoadedModel, load_model
@@ -24,6 +23,7 @@ from ..surgery.latent import (
     LatentConverted,
     check_latent_target,
     convert_model_latent,
+    latent_grams,
     ranks_for_budget,
     summary_figures,
 )
@@ -94,7 +94,7 @@ def convert_mla_loaded(lm: LoadedModel, req: LatentRequest, *, text_model: Loade
                                 heldout_samples=req.heldout_samples, heldout_data=req.heldout_data,
                                 eval_data=req.eval_data, eval_samples=req.eval_samples)
     cal, held, ev = blocks.cal, blocks.held, blocks.ev
-    grams = attention_input_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
+    grams = latent_grams(lm.model, lm.adapter, cal.batches, device=calib_device)
     eval_before = evaluate(lm.model, ev.batches, objective, label="eval before") if ev else None
     before = summary_figures(lm.model, lm.adapter)
     info("converting to latent attention: " + (f"kv_rank {_ranks_text(ranks)}" if req.rank_allocation == "uniform"
