@@ -295,8 +295,10 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
     ("kv-rank-zero", lambda e: ["convert-mla", e.m(), "--kv-rank", "0", "-o", str(e.out)], ("--kv-rank",)),
     ("rope-dim-odd", lambda e: ["convert-mla", e.m(), "--kv-rank", "4", "--rope-dim", "3", "-o", str(e.out)],
      ("--rope-dim",)),
-    ("latent-gpt2", lambda e: ["convert-mla", e.m("gpt2"), "--kv-rank", "4", "-o", str(e.out)],
-     ("gpt2", "not supported")),
+    ("latent-bert", lambda e: ["convert-mla", e.m("bert"), "--kv-rank", "4", "-o", str(e.out)],
+     ("bert", "not supported")),
+    ("latent-gpt2-rope", lambda e: ["convert-mla", e.m("gpt2"), "--kv-rank", "4", "--rope-dim", "4", "-o",
+                                    str(e.out)], ("--rope-dim 4", "no rotary embedding")),
     ("latent-no-output", lambda e: ["convert-mla", e.m(), "--kv-rank", "4"], ("-o",)),
     # data
     ("data-missing", lambda e: ["score", e.m(), "--data", str(e.tmp / "nope.txt")], ("nope.txt",)),

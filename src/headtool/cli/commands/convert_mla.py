@@ -25,7 +25,8 @@ def _table(summary: dict[str, Any]):
     t.add_row("attention", f"{b['num_heads']} query heads / {b['num_kv_heads']} KV heads -> latent attention")
     t.add_row("latent (kv_rank)", str(ranks[0]) if len(set(ranks)) == 1 else
               f"{', '.join(map(str, ranks))} (per layer, {summary.get('rank_allocation')} allocation)")
-    t.add_row("shared rotary key", f"{summary['rope_dim']} dims")
+    rotary = bool(summary["rope_dim"])
+    t.add_row("shared rotary key", f"{summary['rope_dim']} dims" if rotary else "none (no RoPE: learned positions)")
     t.add_row("parameters", f"{human_int(b['params'])} -> {human_int(a['params'])} ({a['params'] - b['params']:+,})")
     t.add_row("KV cache per token", f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
                                     f"{human_bytes(a['kv_cache_bytes_per_token'])} "
@@ -36,8 +37,9 @@ def _table(summary: dict[str, Any]):
         t.add_row("KV cache budget", f"--kv-cache {summary['kv_cache_budget']:g}: {budget:,.0f} B per token, "
                                      f"{a['kv_cache_bytes_per_token']:,} B used")
     layers = summary["layers"]
-    t.add_row("rotary key energy kept", f"{min(x['rope_energy'] for x in layers):.3f}..."
-                                        f"{max(x['rope_energy'] for x in layers):.3f} (per layer)")
+    if rotary:
+        t.add_row("rotary key energy kept", f"{min(x['rope_energy'] for x in layers):.3f}..."
+                                            f"{max(x['rope_energy'] for x in layers):.3f} (per layer)")
     t.add_row("latent energy kept", f"{min(x['latent_energy'] for x in layers):.3f}..."
                                     f"{max(x['latent_energy'] for x in layers):.3f} (weighted, per layer)")
     if summary.get("refit"):
