@@ -22,6 +22,23 @@ def _recipe(tmp_path, model, steps: str, name: str = "r.yaml"):
     return path
 
 
+def test_a_recipe_prunes_layers_unevenly_then_converts_to_latent_attention(tmp_path):
+    """prune (different query heads per layer, in memory) -> convert_mla: each latent layer keeps
+    its own heads; the folder reloads with them."""
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny("llama", tmp_path / "src")
+    steps = ("  - prune: {heads: '0:0,2;2:1,3'}\n"
+             "  - convert_mla: {kv_rank: 5, rope_dim: 4}\n")
+    r = runner.invoke(app, ["run", str(_recipe(tmp_path, src, steps)), "-o", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.stderr
+    rows = json.loads(r.stdout)["steps"]
+    assert [x["step"] for x in rows] == ["load", "prune", "convert_mla"] and rows[2]["heads"] == 8
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    assert [m.num_heads for m in model.modules() if type(m).__name__ == "LatentAttention"] == [2, 4, 2]
+    assert model.config.headtool_mla["num_heads"] == [2, 4, 2]
+
+
 def test_cli_and_recipe_step_write_byte_identical_safetensors(tmp_path):
     src = save_tiny("llama", tmp_path / "src")
     r = runner.invoke(app, ["convert-mla", str(src), "--kv-rank", "6", "--rope-dim", "4", "--data", "builtin:pydoc",

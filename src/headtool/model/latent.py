@@ -13,8 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch import LAYOUT_KEY, Adapter
-from ..errors import UsageError
+from ..arch import Adapter
 from ..templates import modeling_headtool_mla as _mla
 from .classes import model_class
 
@@ -43,9 +42,6 @@ def install_latent(model: nn.Module, adapter: Adapter, spec: dict[str, Any],
     values; the config gets the table, so the model runs forward/generate at once and
     save_pretrained writes a folder that the modeling file rebuilds.
     """
-    if getattr(model.config, LAYOUT_KEY, None):
-        raise UsageError("convert-mla: models with a per-layer head table (pruned to different heads per "
-                         "layer) are not supported yet")
     if len(tensors) != len(spec["kv_rank"]):
         raise ValueError(f"{len(tensors)} layers of tensors for {len(spec['kv_rank'])} layers")
     setattr(model.config, MLA_KEY, spec)

@@ -486,8 +486,11 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     rot = adapter.rotary_dim(config, geometry[0].head_dim)
     rope_dim = rot if rope_dim is None else int(rope_dim)
     ranks = check_latent_target(adapter, config, geometry, kv_rank, rope_dim)
-    if len({(g.num_heads, g.num_kv_heads, g.head_dim) for g in geometry}) != 1:
-        raise UsageError("convert-mla: layers with different head counts are not supported yet")
+    # a pruned or merged input may have different head counts per layer (its head table): each
+    # latent layer then has its own query heads; the head dim is one for all (the table's)
+    empty = [i for i, g in enumerate(geometry) if not g.num_heads]
+    if empty:
+        raise UsageError(f"convert-mla: layer {empty[0]} has no attention heads left; nothing to convert there")
     if damping < 0:
         raise UsageError(f"--damping must be >= 0 (got {damping})")
     state = original.state_dict()
@@ -533,6 +536,9 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         slots.append(layer.slots)
         reports.append({"layer": i, "kv_rank": ranks[i], **{k: round(v, 6) for k, v in layer.report.items()}})
     g = geometry[0]
+
+    def per_layer(values: list):  # one value for every layer, or a list
+        return values[0] if len(set(values)) == 1 else values
     scaling = [adapter.attention_scaling(original, i) for i in range(len(geometry))]
     extras = [adapter.attention_extras(original, i) for i in range(len(geometry))]
     softcap = {e["softcap"] for e in extras}
@@ -540,13 +546,15 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         raise UsageError("convert-mla: layers with different score soft-capping are not supported yet")
     spec = {
         "layers_path": adapter.layers_path, "attention": adapter.attention, "hidden_size": adapter.hidden_size(config),
-        "num_heads": g.num_heads, "qk_nope_dim": g.head_dim if latent_dims(g, rot, rope_dim) > g.num_kv_heads * g.head_dim
-        else 0, "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
+        "num_heads": per_layer([x.num_heads for x in geometry]),
+        "qk_nope_dim": per_layer([x.head_dim if latent_dims(x, rot, rope_dim) > x.num_kv_heads * x.head_dim else 0
+                                  for x in geometry]),
+        "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
         "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias and not normed, "kv_bias": kv_bias and not normed, "o_bias": o_bias, "absorb": absorb,
         "qk_norm": normed,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
-        "source_num_kv_heads": g.num_kv_heads,
+        "source_num_kv_heads": per_layer([x.num_kv_heads for x in geometry]),
     }
     model = copy.deepcopy(original)
     install_latent(model, adapter, spec, tensors)

@@ -33,6 +33,12 @@ def _get(obj, key, default=None):
     return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
 
 
+def _of_layer(spec, key: str, layer_idx: int):
+    """A table entry that is one value for all layers or a list with one per layer."""
+    value = spec[key]
+    return value[layer_idx] if isinstance(value, (list, tuple)) else value
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -84,16 +90,16 @@ class LatentAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.num_heads = int(spec["num_heads"])
-        self.qk_nope_dim = int(spec["qk_nope_dim"])
+        # one value for all layers, or one per layer (a pruned or merged source)
+        self.num_heads = int(_of_layer(spec, "num_heads", layer_idx))
+        self.qk_nope_dim = int(_of_layer(spec, "qk_nope_dim", layer_idx))
         self.rope_dim = int(spec["rope_dim"])
         self.v_head_dim = int(spec["v_head_dim"])
         self.kv_rank = int(spec["kv_rank"][layer_idx])
         self.rope_planes = [int(p) for p in spec["rope_planes"][layer_idx]]
         self.rotary_half = int(spec["rotary_dim"]) // 2
         self._every_plane = self.rope_planes == list(range(self.rotary_half))
-        scaling = spec["scaling"]  # one number, or one per layer (GPT-2 can scale by 1 / layer)
-        self.scaling = float(scaling[layer_idx] if isinstance(scaling, (list, tuple)) else scaling)
+        self.scaling = float(_of_layer(spec, "scaling", layer_idx))  # GPT-2 can scale by 1 / layer
         self.absorb = spec.get("absorb", "auto")
         self.is_causal = True
         self.attention_dropout = 0.0
@@ -113,9 +119,13 @@ class LatentAttention(nn.Module):
         if self.qk_norm:
             if source is None:
                 raise ValueError("latent attention over normed heads is built from the attention it replaces")
-            for name in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
-                setattr(self, name, getattr(source, name))
-            features = 2 * int(spec["source_num_kv_heads"]) * self.v_head_dim
+            kv_heads, d = int(_of_layer(spec, "source_num_kv_heads", layer_idx)), self.v_head_dim
+            # the projections at this layer's head counts (a pruned source has its own per layer),
+            # the norms (per head dim, the family's own classes) as they are
+            for name, heads in (("q_proj", h), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+                setattr(self, name, nn.Linear(hidden, heads * d, bias=getattr(source, name).bias is not None))
+            self.q_norm, self.k_norm = source.q_norm, source.k_norm
+            features = 2 * kv_heads * d
             self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
             self.kv_a_proj_with_mqa = nn.Linear(features, self.kv_rank + self.rope_dim, bias=False)
         else:
