@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=MODEL, help="the model (a tiny local folder for a smoke run)")
     ap.add_argument("--calibration", default="builtin:pydoc+self", help="calibration --data source")
-    ap.add_argument("--budgets", default="1/3:64,1/8:16",
-                    help="comma list of FRACTION[:ROPE_DIM]: --kv-cache and --rope-dim of the convert-mla rows")
+    ap.add_argument("--budgets", default="1/3,1/8",
+                    help="comma list of FRACTION[:ROPE_DIM]: --kv-cache and --rope-dim of the convert-mla rows "
+                         "(without :ROPE_DIM, the default of convert-mla)")
     ap.add_argument("--allocations", default=",".join(ALLOCATIONS), help="--rank-allocation of the rows")
     ap.add_argument("--gqa", default="fit", help="convert-gqa --kv-heads 1 merge of the comparison row ('' for none)")
     ap.add_argument("--cal", type=int, default=32, help="calibration blocks")

@@ -53,6 +53,26 @@ def test_uniform_budget_equals_the_plain_kv_rank_run(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("family, args, rope", [
+    ("llama", ["--kv-cache", 0.5], 6),  # 3/8 of the 16 dims a layer may hold
+    ("llama", ["--kv-cache", 0.25], 2),  # 3/8 of 8 is 3: even, so 2
+    ("llama", ["--kv-rank", 6], 8),  # no budget: one head's rotary dims
+    ("gpt2", ["--kv-cache", 0.25], 0),  # no RoPE, no rotary key
+])
+def test_the_default_rope_dim_is_three_eighths_of_the_budget(tmp_path, family, args, rope):
+    from headtool.workflows.convert_mla import ROPE_SHARE
+
+    assert ROPE_SHARE == 3 / 8
+    src = save_tiny(family, tmp_path / "src")
+    r = runner.invoke(app, ["convert-mla", str(src), *map(str, args), "--max-samples", "4", "--seq-len", "16",
+                            "--no-refit", "-o", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["rope_dim"] == rope
+    if "--kv-cache" in args:
+        assert doc["after"]["kv_cache_bytes_per_token"] <= args[1] * doc["before"]["kv_cache_bytes_per_token"]
+
+
 def _heavy_middle_layer(scale: float = 6.0):
     """A tiny llama whose layer 1 has far more K/V energy than layers 0 and 2, spread over many
     directions: the K and V projections of layers 0 and 2 are cut to rank 2 (their energy sits in

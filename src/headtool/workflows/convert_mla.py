@@ -21,6 +21,7 @@ from ..surgery.compensation import refit_table
 from ..surgery.latent import (
     CONVERT_INSTEAD,
     LatentConverted,
+    budget_dims,
     check_latent_target,
     convert_model_latent,
     latent_grams,
@@ -53,12 +54,36 @@ def card_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Share of a --kv-cache budget that the default --rope-dim gives the rotary key. Measured on
+# SmolLM2-135M (benchmarks/results/mla_rope_sweep*.json, pydoc+self calibration, no training,
+# perplexity ratio news / legal): at a third of the cache (128 dims a layer) rope_dim 16 7.09x /
+# 10.73x, 32 3.20x / 4.81x, 40 2.42x / 3.31x, 48 2.36x / 3.33x, 56 2.47x / 3.51x, 64 (one head's
+# rotary dims, the earlier default) 2.70x / 3.90x, 80 3.63x / 5.39x, 96 5.18x / 8.49x; at an
+# eighth (48 dims a layer) 8 13.19x / 23.06x, 16 12.60x / 22.59x, 24 10.71x / 20.48x.
+ROPE_SHARE = 3 / 8
+
+
+def default_rope_dim(geometry, rot: int, kv_cache: float | None) -> int:
+    """--rope-dim when none is given: 0 without RoPE; with a --kv-cache budget, ROPE_SHARE of the
+    per-layer budget (even, within what the KV heads rotate); else one head's rotary dims (as
+    DeepSeek and TransMLA)."""
+    if not rot:
+        return 0
+    if kv_cache is None:
+        return rot
+    per_layer = budget_dims(geometry, kv_cache) / len(geometry)
+    top = min(g.num_kv_heads for g in geometry) * rot
+    return max(2, min(top, 2 * int(per_layer * ROPE_SHARE / 2)))
+
+
 def latent_target(lm: LoadedModel, req: LatentRequest, geometry=None) -> tuple[list[int], int]:
     """(kv_rank per layer, rope_dim) that `req` asks of this model (of `geometry`, the heads it will
     have when the step runs; default its heads now), or a UsageError (exit 2)."""
     geometry = lm.geometry if geometry is None else geometry
     rot = lm.adapter.rotary_dim(lm.config, geometry[0].head_dim) if lm.adapter.latent else 0
-    rope_dim = req.rope_dim if req.rope_dim is not None else rot
+    rope_dim = req.rope_dim
+    if rope_dim is None:
+        rope_dim = default_rope_dim(geometry, rot, req.kv_cache)
     kv_rank: int | list[int] = req.kv_rank if req.kv_rank is not None else 1
     if req.kv_cache is not None:
         check_latent_target(lm.adapter, lm.config, geometry, 1, rope_dim)  # family and rope_dim first
