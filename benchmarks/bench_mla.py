@@ -65,13 +65,15 @@ def render(doc: dict) -> str:
     """Markdown: perplexity (ratio) per evaluation set, cache per token, decode tokens/s (ratio)."""
     order = doc["order"]
     labels = [doc["domains"][n].get("label", n) for n in order]
-    head = ["change", "kv_rank per layer", *labels, "KV cache / token", f"decode tok/s @ {doc['settings']['context']}"]
+    head = ["change", "kv_rank + rope_dim per layer", *labels, "KV cache / token", f"decode tok/s @ {doc['settings']['context']}"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
     base_bytes = doc["rows"][0]["kv_cache_bytes_per_token"]
     for r in doc["rows"]:
         cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)" for n in order]
         ranks = r.get("kv_rank")
         rank = "-" if ranks is None else (str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)}")
+        if ranks is not None and r.get("rope_dim") is not None:
+            rank += f" + {r['rope_dim']}"
         speed = r.get("speed") or {}
         dec = speed.get("decode_tokens_per_s")
         ratio = (speed.get("ratio") or {}).get("decode_tokens_per_s")

@@ -226,8 +226,24 @@ def mla_section(doc: dict) -> str:
     ])
 
 
+def mla_rope_section(doc: dict) -> str:
+    from bench_mla import render
+
+    s = doc["settings"]
+    return "\n".join([
+        "### Latent attention: the rotary key's share of the cache (convert-mla --rope-dim at "
+        f"--kv-cache {', '.join(sorted({b for b, _ in s['budgets']}))})",
+        "",
+        f"As the table above (calibration: {s['cal']} blocks of `{s['calibration']}`, uniform ranks, the refit on), "
+        "one row per `--rope-dim` at the same cache bytes: the rest of the budget is the latent. From these runs "
+        "the default `--rope-dim` of `--kv-cache` is 3/8 of the per-layer budget.",
+        "",
+        render(doc),
+    ])
+
+
 SECTIONS = [("cross_domain.json", cross_domain_section), ("heal_cross_domain*.json", heal_cross_domain_section),
-            ("mla.json", mla_section),
+            ("mla.json", mla_section), ("mla_rope_sweep*.json", mla_rope_section),
             ("quality.json", quality_section), ("heal.json", heal_section), ("heal-*.json", heal_section),
             ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]
 
