@@ -63,7 +63,8 @@ def _generate(model, ids, n=8):
 
 @pytest.mark.parametrize("family, extra", [(f, {}) for f in LATENT_FAMILIES] + [
     ("phi3", {"partial_rotary_factor": 0.5}),  # dims that never rotate go into the latent
-    ("gpt2", {"scale_attn_by_inverse_layer_idx": True})])  # a different softmax scale per layer
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}),  # a different softmax scale per layer
+    ("qwen3", {"attention_bias": True})])  # the value bias folded into the latent projection
 def test_full_rank_is_exact_plain_absorbed_and_cached(family, extra):
     model = tiny_model(family, **extra)
     ad = adapter_for(model.config)
@@ -79,6 +80,8 @@ def test_full_rank_is_exact_plain_absorbed_and_cached(family, extra):
     assert _generate(conv.model, prompt).tolist() == _generate(model, prompt).tolist()
     assert (logits_of(model, ids) - ref).abs().max().item() == 0.0  # the input is untouched
     assert all(x["rope_energy"] == pytest.approx(1.0) and x["latent_energy"] == 1.0 for x in conv.layers)
+    if ad.qk_norm:  # the value projection is folded into the latent one: the layer does not keep it
+        assert not any(hasattr(m, "v_proj") for m in conv.model.modules() if isinstance(m, LatentAttention))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])

@@ -34,7 +34,8 @@ Families without RoPE (GPT-2, OPT) have no planes: no rotary key, all of K and V
 Families that RMS-norm every q and k head before RoPE (Qwen 3, Gemma 3) have no affine q and k:
 there the same steps run over features instead of x~ (`normed_blocks`): the queries over each
 head's normed query, K and V over f~ = [normed keys, values, 1], with their Grams from
-`calibration.normed_head_grams`; the layer keeps its projections and norms to compute them.
+`calibration.normed_head_grams`; the layer keeps its q/k projections and norms to compute them
+(the value rows of the latent projection fold through v_proj onto x~).
 """
 from __future__ import annotations
 
@@ -414,19 +415,26 @@ def _module_tensors(layer: LatentLayer, q_bias: bool, kv_bias: bool, o_bias: tor
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
-NORMED_KEPT = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")  # what a qk-normed layer keeps of the original
+NORMED_KEPT = ("q_proj", "k_proj", "q_norm", "k_norm")  # what a qk-normed layer keeps of the original
 
 
 def _normed_module_tensors(layer: LatentLayer, attention, geo: LayerHeads, o_bias: torch.Tensor | None,
                            dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The latent layer of a qk-normed family: the original q/k/v projections and norms (the
-    features), the per-head rotary query maps, the latent over [normed K, V] and the up-projection."""
-    H, d = geo.num_heads, geo.head_dim
+    """The latent layer of a qk-normed family: the original q/k projections and norms (the normed
+    features), the per-head rotary query maps, the latent over [normed K, x, 1] (its V part folded
+    through v_proj, which the layer then no longer needs) and the up-projection."""
+    H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
     q = layer.q.view(H, -1, d)  # [nope | rope] rows per head over the head's normed query
     if layer.kv_a[:, -1].abs().max() > 1e-9:  # K and V rows select features: no constant term
         raise AssertionError("the latent of normed features has a constant term")
-    out = {"q_rope_proj": q[:, layer.qk_nope_dim:].reshape(-1, d), "kv_a_proj_with_mqa.weight": layer.kv_a[:, :-1],
+    a_k, a_v = layer.kv_a[:, :K * d], layer.kv_a[:, K * d:2 * K * d]
+    v_proj = attention.v_proj
+    a_x = a_v @ v_proj.weight.detach().to(a_v.dtype)  # latent from the values = (A_v W_v) x + A_v b_v
+    out = {"q_rope_proj": q[:, layer.qk_nope_dim:].reshape(-1, d),
+           "kv_a_proj_with_mqa.weight": torch.cat([a_k, a_x], dim=1),
            "kv_b_proj.weight": layer.kv_b, "o_proj.weight": layer.o.reshape(-1, layer.o.shape[-1]).T}
+    if v_proj.bias is not None:
+        out["kv_a_proj_with_mqa.bias"] = a_v @ v_proj.bias.detach().to(a_v.dtype)
     if o_bias is not None:
         out["o_proj.bias"] = o_bias
     out = {k: v.to(dtype).contiguous() for k, v in out.items()}
@@ -551,7 +559,8 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
                                   for x in geometry]),
         "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
-        "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias and not normed, "kv_bias": kv_bias and not normed, "o_bias": o_bias, "absorb": absorb,
+        "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias and not normed,
+        "kv_bias": _has_bias(adapter, adapter.layer_prefix(original, 0), state, {"v"}) if normed else kv_bias, "o_bias": o_bias, "absorb": absorb,
         "qk_norm": normed,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
         "source_num_kv_heads": per_layer([x.num_kv_heads for x in geometry]),

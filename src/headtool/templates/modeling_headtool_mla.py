@@ -111,10 +111,10 @@ class LatentAttention(nn.Module):
         hidden = int(spec["hidden_size"])
         h = self.num_heads
         # qk-normed families (Qwen 3, Gemma 3) norm every query and key head before RoPE: the layer
-        # keeps the original projections and norms (from `source`, the attention it replaces) and
-        # takes the latent and the rotary key over [normed keys, values], the rotary queries per
-        # head over the normed query (q_rope_proj [heads x rope_dim, head_dim]); the no-RoPE query
-        # is the normed query itself
+        # keeps the original q/k projections and norms (the norms from `source`, the attention it
+        # replaces) and takes the latent and the rotary key over [normed keys, hidden state] (the
+        # value projection folded in), the rotary queries per head over the normed query
+        # (q_rope_proj [heads x rope_dim, head_dim]); the no-RoPE query is the normed query itself
         self.qk_norm = bool(spec.get("qk_norm"))
         if self.qk_norm:
             if source is None:
@@ -122,12 +122,12 @@ class LatentAttention(nn.Module):
             kv_heads, d = int(_of_layer(spec, "source_num_kv_heads", layer_idx)), self.v_head_dim
             # the projections at this layer's head counts (a pruned source has its own per layer),
             # the norms (per head dim, the family's own classes) as they are
-            for name, heads in (("q_proj", h), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            for name, heads in (("q_proj", h), ("k_proj", kv_heads)):
                 setattr(self, name, nn.Linear(hidden, heads * d, bias=getattr(source, name).bias is not None))
             self.q_norm, self.k_norm = source.q_norm, source.k_norm
-            features = 2 * kv_heads * d
             self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
-            self.kv_a_proj_with_mqa = nn.Linear(features, self.kv_rank + self.rope_dim, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(kv_heads * d + hidden, self.kv_rank + self.rope_dim,
+                                                bias=bool(spec["kv_bias"]))
         else:
             self.q_proj = nn.Linear(hidden, h * (self.qk_nope_dim + self.rope_dim), bias=bool(spec["q_bias"]))
             self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
@@ -211,7 +211,7 @@ class LatentAttention(nn.Module):
             q_nope, q_rope = q.split([nope, rope], dim=-1)
         if self.qk_norm:
             k = self.k_norm(self.k_proj(hidden_states).view(b, t, -1, vd)).reshape(b, t, -1)
-            features = torch.cat([k, self.v_proj(hidden_states)], dim=-1)
+            features = torch.cat([k, hidden_states], dim=-1)
         else:
             features = hidden_states
         latent, k_rope = self.kv_a_proj_with_mqa(features).split([rank, rope], dim=-1)
