@@ -219,9 +219,10 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
     P, n = rot_dim // 2, rope_dim // 2
     if n > P * K:
         raise UsageError(f"--rope-dim {rope_dim}: at most {2 * P * K} rotary dims in a layer")
+    q_gram = gram if q_gram is None else q_gram  # what the queries are over
     if P:
         u, lam = (rorope if rotate else identity_mix)(b.k, gram, rot_dim)
-        slots = choose_slots(u, lam, b.q, gram if q_gram is None else q_gram, geo, rot_dim, n, plane_weight)
+        slots = choose_slots(u, lam, b.q, q_gram, geo, rot_dim, n, plane_weight)
     else:  # no RoPE: no planes to mix, no rotary key
         u, lam = b.k.new_zeros(0, K, K, dtype=torch.complex128), b.k.new_zeros(0, K)
         slots = []
@@ -236,7 +237,7 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
         q_rope = [_real_rows(torch.stack([u[p, m, jh[h]] * zq[h, p] for p, m in slots])) for h in range(H)]
     else:
         k_rope = b.k.new_zeros(0, b.k.shape[-1])
-        q_rope = [k_rope] * H
+        q_rope = [b.q.new_zeros(0, b.q.shape[-1])] * H
 
     # the key without RoPE: dropped slots (real parts, imaginary parts), then dims that never rotate
     nd, f = len(dropped), d - rot_dim
@@ -258,7 +259,7 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
     rope_energy = float(lam[tuple(zip(*slots))].sum() / lam.sum().clamp_min(_EPS)) if slots else float(not P)
     report: dict[str, Any] = {"rope_energy": rope_energy}
 
-    gq = _query_moments(b.q, gram if q_gram is None else q_gram)  # E[q_h q_h^T] [H, d, d]
+    gq = _query_moments(b.q, q_gram)  # E[q_h q_h^T] [H, d, d]
     sens = torch.ones(H, dtype=y.dtype)
     if balance == "output":
         # first-order: a score error e moves head h's output by about e (v - mean v) through W_o^h
@@ -504,12 +505,13 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
     state = original.state_dict()
     dtype = next(original.parameters()).dtype
     tensors, slots, reports = [], [], []
-    q_bias = kv_bias = False
+    q_bias = kv_bias = v_bias = False
     biases = []
     for i, geo in enumerate(geometry):
         prefix = adapter.layer_prefix(original, i)
         q_bias |= _has_bias(adapter, prefix, state, {"q"})
         kv_bias |= _has_bias(adapter, prefix, state, {"k", "v"})
+        v_bias |= _has_bias(adapter, prefix, state, {"v"})  # normed layers: folded into the latent projection
         biases.append(adapter.projection_module(original, i, "o").bias)
     o_bias = biases[0] is not None
     plane_weight = None
@@ -559,8 +561,8 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
                                   for x in geometry]),
         "v_head_dim": g.head_dim, "rope_dim": rope_dim, "rotary_dim": rot, "kv_rank": ranks,
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
-        "scaling": scaling[0] if len(set(scaling)) == 1 else scaling, "q_bias": q_bias and not normed,
-        "kv_bias": _has_bias(adapter, adapter.layer_prefix(original, 0), state, {"v"}) if normed else kv_bias, "o_bias": o_bias, "absorb": absorb,
+        "scaling": per_layer(scaling), "q_bias": q_bias and not normed,
+        "kv_bias": v_bias if normed else kv_bias, "o_bias": o_bias, "absorb": absorb,
         "qk_norm": normed,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
         "source_num_kv_heads": per_layer([x.num_kv_heads for x in geometry]),
