@@ -44,6 +44,21 @@ def cross_domain_section(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def protect_section(doc: dict) -> str:
+    from bench_cross_domain import render
+
+    st = doc["settings"]
+    return "\n".join([
+        f"### The first layer (`--protect-layers`): SmolLM2-135M, {st['cal']} calibration blocks, no training",
+        "",
+        "The same heads chosen with the first layer in the global ranking (`--protect-layers none`, the "
+        "behaviour before the option existed) and kept whole (`0`, what the default `auto` does in the "
+        "global ranking); gradient scores, `--compensate`. Columns as in the table above.",
+        "",
+        render(doc),
+    ])
+
+
 def quality_section(doc: dict) -> str:
     from bench_quality import render
 
@@ -242,7 +257,8 @@ def mla_rope_section(doc: dict) -> str:
     ])
 
 
-SECTIONS = [("cross_domain.json", cross_domain_section), ("heal_cross_domain*.json", heal_cross_domain_section),
+SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_protect_*.json", protect_section),
+            ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_rope_sweep*.json", mla_rope_section),
             ("quality.json", quality_section), ("heal.json", heal_section), ("heal-*.json", heal_section),
             ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]

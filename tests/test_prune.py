@@ -173,7 +173,7 @@ def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_pat
     out = tmp_path / "out"
     r = _prune(llama_src, "--scores", "-", "--fraction", "0.5", "--data", "builtin:pydoc", "--max-samples", "4",
                "--seq-len", "16", "--compensate", "--eval-data", "builtin:pydoc", "--eval-samples", "4",
-               "--shard-size", "20KB", "-o", out, "--json", input=doc.stdout)
+               "--shard-size", "20KB", "--protect-layers", "none", "-o", out, "--json", input=doc.stdout)
     assert r.exit_code == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["heads_removed"] == 6 and res["eval"]["before"]["loss"] > 0
@@ -192,6 +192,33 @@ def test_heads_in_either_form_remove_the_same_heads(llama_src, tmp_path, heads):
     r = _prune(llama_src, "--heads", heads, "-o", tmp_path / "x", "--dry-run", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["kept_heads"] == [[1, 3], [0, 1, 2, 3], [0, 2]]
+
+
+def test_the_first_layer_is_protected_unless_told_otherwise(llama_src, tmp_path):
+    """Scores that make layer 0 the weakest: by default its heads stay and the others make up the
+    number; --protect-layers none ranks it with the rest; a layer that does not exist exits 2."""
+    doc = json.loads(runner.invoke(app, ["score", str(llama_src), "--method", "magnitude"]).stdout)
+    doc["scores"] = [[0.01, 0.02, 0.03, 0.04], [0.5, 0.6, 0.7, 0.8], [0.9, 1.0, 1.1, 1.2]]
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps(doc))
+    r = _prune(llama_src, "--scores", scores, "--num-heads", "2", "--unit", "group", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["kept_heads"] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
+    assert res["options"]["target"]["protect_layers"] == [0] and "(protected)" in r.stderr
+    r = _prune(llama_src, "--scores", scores, "--num-heads", "2", "--unit", "group", "--protect-layers", "none",
+               "--dry-run", "--json")
+    assert json.loads(r.stdout)["kept_heads"] == [[2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    r = _prune(llama_src, "--scores", scores, "--num-heads", "2", "--unit", "group", "--protect-layers", "0,-1",
+               "--dry-run", "--json")
+    assert json.loads(r.stdout)["kept_heads"] == [[0, 1, 2, 3], [2, 3], [0, 1, 2, 3]]
+    r = _prune(llama_src, "--scores", scores, "--num-heads", "6", "--scope", "layer", "--dry-run", "--json")
+    assert [len(k) for k in json.loads(r.stdout)["kept_heads"]] == [2, 2, 2]  # auto: none with --scope layer
+    for value, msg in (("3", "layer 3 does not exist"), ("x", "cannot read 'x'")):
+        r = _prune(llama_src, "--scores", scores, "--num-heads", "2", "--protect-layers", value, "-o", tmp_path / "n")
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and msg in lines[0], r.stderr
+        assert not (tmp_path / "n").exists()
 
 
 def test_prune_help_states_the_head_grammar():

@@ -5,8 +5,8 @@ import pytest
 
 from headtool.arch import LayerHeads
 from headtool.errors import UsageError
-from headtool.surgery.selection import (Target, candidate_sets, choose_removal, head_pairs, parse_heads, removal_steps,
-    select_heads, selection_from_removed)
+from headtool.surgery.selection import (Target, candidate_sets, choose_removal, head_pairs, parse_heads, parse_protect,
+    removal_steps, select_heads, selection_from_removed)
 
 MHA = [LayerHeads(4, 4, 8)] * 3
 GQA = [LayerHeads(6, 2, 8)] * 2  # groups {0,1,2} {3,4,5}
@@ -50,6 +50,35 @@ def test_unit_group_removes_whole_groups_with_their_kv_head():
     assert sel.removed(GQA) == [[0, 1, 2], []]
     assert sel.keeps[0].kv == (1,)
     assert sel.geometry(GQA)[0] == LayerHeads(3, 1, 8)
+
+
+def test_protected_layers_lose_no_heads_and_the_others_make_up_the_number():
+    # unprotected, the weakest 3 heads are layer 0's head 1 and layer 1's heads 0 and 3
+    sel = select_heads(SC_MHA, MHA, Target(fraction=0.25, protect=(0,)))
+    assert sel.removed(MHA) == [[], [0, 2, 3], []]  # still 3 heads: the next weakest is layer 1 head 2
+    assert select_heads(SC_MHA, MHA, Target(num_heads=3, protect=(0, -2))).removed(MHA) == [[], [], [1, 2, 3]]
+    assert select_heads(SC_MHA, MHA, Target(threshold=0.35, protect=(1,))).removed(MHA) == [[1, 3], [], []]
+    # --scope layer: every other layer loses its share, the protected one none
+    assert select_heads(SC_MHA, MHA, Target(fraction=0.5, scope="layer", protect=(2,))).removed(MHA) == \
+        [[1, 3], [0, 3], []]
+    assert select_heads(SC_MHA, MHA, Target(num_heads=3, scope="layer", protect=(0,))).removed(MHA) == \
+        [[], [3], [3]]
+    assert Target(fraction=0.25, protect=(0, -1)).describe()["protect_layers"] == [0, -1]
+
+
+def test_protect_layers_text_and_its_errors():
+    assert parse_protect("0") == (0,) and parse_protect(" 0, -1 ") == (0, -1)
+    assert parse_protect("none") == () and parse_protect("") == () and parse_protect(None) == ()
+    assert parse_protect("auto") == (0,) and parse_protect("auto", "layer") == ()
+    for text, msg in (("a", "cannot read 'a'"), ("0,0", "listed twice"), ("1;2", "cannot read")):
+        with pytest.raises(UsageError, match=msg):
+            parse_protect(text)
+    with pytest.raises(UsageError, match="layer 3 does not exist"):
+        select_heads(SC_MHA, MHA, Target(fraction=0.25, protect=(3,)))
+    with pytest.raises(UsageError, match="layer -4 does not exist"):
+        select_heads(SC_MHA, MHA, Target(fraction=0.25, protect=(-4,)))
+    with pytest.raises(UsageError, match="at most 3 of 12 .*--protect-layers 0,1"):
+        select_heads(SC_MHA, MHA, Target(num_heads=4, protect=(0, 1)))
 
 
 @pytest.mark.parametrize("target, msg", [

@@ -22,6 +22,7 @@ from ..surgery.selection import (
     Target,
     check_target,
     parse_heads,
+    parse_protect,
     select_heads,
     selection_from_removed,
 )
@@ -160,7 +161,8 @@ def _reads_data(req: PruneRequest, scores: list[list[float]] | None) -> bool:
 
 def prune_target(req: PruneRequest) -> Target:
     return Target(fraction=req.fraction, num_heads=req.num_heads, threshold=req.threshold, scope=req.scope,
-                  min_heads_per_layer=req.min_heads_per_layer, unit=req.unit)
+                  min_heads_per_layer=req.min_heads_per_layer, unit=req.unit,
+                  protect=parse_protect(req.protect_layers, req.scope))
 
 
 def calib_info(lm, spec) -> dict | None:

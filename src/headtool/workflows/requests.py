@@ -172,6 +172,10 @@ class PruneRequest:
     min_heads_per_layer: int = option(1, "query heads every layer keeps at least", min=1, panel=_T)
     unit: str = option("query", "GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV "
                        "groups)", choices=("query", "group"), panel=_T)
+    protect_layers: str = option("auto", "layers that lose no heads when heads are chosen from scores: "
+                                 "layer indices, comma-separated (negative from the end), none, or auto: the first "
+                                 "layer with --scope global (removing its heads cost far more than their "
+                                 "normalized scores said, measured), none with --scope layer", panel=_T)
     compensate: bool = option(False, "refit each pruned layer's output projection by least squares on --data "
                               f"(sequential calibration; {CALIBRATION_BLOCKS} blocks unless --max-samples)",
                               panel=_C)

@@ -33,14 +33,19 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
         if json_out:
             print_json(run.streamed)
         return
-    _render(err_console(), req.model, run.result, run.config_kind, run.eval_info, run.written, req.dry_run)
+    target = (run.report.get("options") or {}).get("target") or {}
+    n_layers = len(run.result.layers())
+    protected = {i % n_layers for i in target.get("protect_layers") or ()}
+    _render(err_console(), req.model, run.result, run.config_kind, run.eval_info, run.written, req.dry_run,
+            protected)
     if json_out:
         print_json(run.report)
     elif run.written:
         info(f"written to {run.written['path']} ({run.config_kind})")
 
 
-def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: bool) -> None:
+def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: bool,
+            protected: set[int] = frozenset()) -> None:
     from rich.table import Table
 
     from ..render import human_bytes, human_int
@@ -55,7 +60,7 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
         changed = r["heads_after"] != r["heads_before"]
         row = [str(r["layer"]), f"{r['heads_before']} → {r['heads_after']}",
                f"{r['kv_heads_before']} → {r['kv_heads_after']}",
-               ",".join(map(str, r["removed_heads"])) or "-"]
+               ",".join(map(str, r["removed_heads"])) or ("- (protected)" if r["layer"] in protected else "-")]
         if comp:
             c = comp.get(r["layer"])
             row.append(f"{c['rel_error_before']:.3f} → {c['rel_error_after']:.3f}"
