@@ -303,3 +303,15 @@ def test_sequential_calibration_writes_the_same_checkpoint(llama_src, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     bad = _prune(llama_src, *args, "--sequential", "--device-map", "auto", "-o", tmp_path / "bad")
     assert bad.exit_code == 2 and "--sequential" in bad.stderr
+
+
+def test_auto_protection_needs_a_ranking_across_layers():
+    """`auto` protects the first layer only where layers are ranked together: not in a model of
+    one layer (it would protect everything), not with --scope layer."""
+    from headtool.workflows.prune import prune_target
+    from headtool.workflows.requests import PruneRequest
+
+    assert prune_target(PruneRequest(model="m", fraction=0.5), 30).protect == (0,)
+    assert prune_target(PruneRequest(model="m", fraction=0.5), 1).protect == ()
+    assert prune_target(PruneRequest(model="m", fraction=0.5, scope="layer"), 30).protect == ()
+    assert prune_target(PruneRequest(model="m", fraction=0.5, protect_layers="0"), 1).protect == (0,)

@@ -70,6 +70,7 @@ def test_protect_layers_text_and_its_errors():
     assert parse_protect("0") == (0,) and parse_protect(" 0, -1 ") == (0, -1)
     assert parse_protect("none") == () and parse_protect("") == () and parse_protect(None) == ()
     assert parse_protect("auto") == (0,) and parse_protect("auto", "layer") == ()
+    assert parse_protect("auto", "global", 1) == () and parse_protect("0", "global", 1) == (0,)
     for text, msg in (("a", "cannot read 'a'"), ("0,0", "listed twice"), ("1;2", "cannot read")):
         with pytest.raises(UsageError, match=msg):
             parse_protect(text)

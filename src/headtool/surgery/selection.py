@@ -6,7 +6,8 @@ KV heads); with `--unit group` one step removes a whole KV group with its query 
 layer whose groups hold one query head each (multi-head attention) loses single heads either
 way. Steps are ordered weakest first (mean score of the heads they remove), and the global
 scope takes the weakest steps over all layers, so how many heads each layer loses follows
-the scores. Protected layers (`Target.protect`, default the first layer) lose no heads.
+the scores. Protected layers (`Target.protect`; prune's default: the first layer in the global
+ranking) lose no heads.
 """
 from __future__ import annotations
 
@@ -113,9 +114,10 @@ def check_target(target: Target, geometry: Sequence[LayerHeads]) -> None:
 
 
 # `--protect-layers auto` (prune's default, requests.PruneRequest): the first layer in the global
-# ranking; none with --scope layer, which removes the same number everywhere as asked. Measured on
-# SmolLM2-135M (gradient scores, per-layer normalized; --compensate; calibrated on builtin:pydoc+self; perplexity ratio on news / legal text
-# the calibration never saw; benchmarks/results/cross_domain_protect*.json): 25% of query heads at
+# ranking of a model with more than one layer; none with --scope layer, which removes the same
+# number everywhere as asked. Measured on SmolLM2-135M (gradient scores, per-layer normalized;
+# --compensate; calibrated on builtin:pydoc+self; perplexity ratio on news / legal text the
+# calibration never saw; benchmarks/results/cross_domain_protect*.json): 25% of query heads at
 # 128 calibration blocks 1.27x / 2.17x with layer 0 in the ranking, 1.12x / 1.21x protected; 50% at
 # 64 blocks 1.94x / 2.72x against 1.82x / 2.00x. Per-layer normalization ranks layer 0's weakest
 # heads with the others although its raw importance is the largest of all layers, and removing any
@@ -123,11 +125,12 @@ def check_target(target: Target, geometry: Sequence[LayerHeads]) -> None:
 PROTECT_GRAMMAR = 'a comma list of layer indices (negative counts from the end, e.g. "0,-1"), "none" or "auto"'
 
 
-def parse_protect(text: str | None, scope: str = "global") -> tuple[int, ...]:
+def parse_protect(text: str | None, scope: str = "global", num_layers: int | None = None) -> tuple[int, ...]:
     """`--protect-layers` text -> layer indices (range-checked later, against the model); `auto`
-    is the first layer in the global ranking and none with --scope layer."""
+    is the first layer in the global ranking (none where there is no ranking across layers:
+    --scope layer, or a model of one layer)."""
     if text is not None and text.strip().lower() == "auto":
-        return (0,) if scope == "global" else ()
+        return (0,) if scope == "global" and (num_layers is None or num_layers > 1) else ()
     if text is None or text.strip().lower() in ("", "none"):
         return ()
     out: list[int] = []

@@ -131,7 +131,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     if req.heads is not None:
         selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer)
     else:
-        target = prune_target(req)
+        target = prune_target(req, len(geometry))
         check_target(target, geometry)
     needs_tokens = spec is not None or req.eval_data is not None
     if needs_tokens and lm.tokenizer is None:
@@ -159,10 +159,11 @@ def _reads_data(req: PruneRequest, scores: list[list[float]] | None) -> bool:
     return req.compensate or (scoring_now and req.method in DATA_METHODS)
 
 
-def prune_target(req: PruneRequest) -> Target:
+def prune_target(req: PruneRequest, num_layers: int | None = None) -> Target:
+    """The target of req (`num_layers`, when known, resolves --protect-layers auto)."""
     return Target(fraction=req.fraction, num_heads=req.num_heads, threshold=req.threshold, scope=req.scope,
                   min_heads_per_layer=req.min_heads_per_layer, unit=req.unit,
-                  protect=parse_protect(req.protect_layers, req.scope))
+                  protect=parse_protect(req.protect_layers, req.scope, num_layers))
 
 
 def calib_info(lm, spec) -> dict | None:

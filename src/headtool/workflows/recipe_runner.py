@@ -116,7 +116,7 @@ def check_geometry(ctx: Context) -> None:
                 latent = True  # (pruned KV heads are known only when prune runs: its check then)
                 latent_target(ctx.lm, build_request(ctx.recipe, step), geometry)
             if step["step"] == "prune" and step.get("heads") is None:
-                check_target(prune_target(build_request(ctx.recipe, step)), geometry)
+                check_target(prune_target(build_request(ctx.recipe, step), len(geometry)), geometry)
             if step["step"] == "convert_gqa":
                 check_kv(ctx.lm.adapter, geometry, int(step["kv_heads"]))
                 geometry = [dataclasses.replace(g, num_kv_heads=int(step["kv_heads"])) for g in geometry]
