@@ -37,6 +37,7 @@ class PruneRun:
     streamed one wrote."""
 
     result: PruneResult | None = None
+    target: Target | None = None  # None for explicit --heads
     config_kind: str | None = None
     eval_info: dict | None = None
     written: dict | None = None
@@ -102,7 +103,8 @@ def run_prune(req: PruneRequest) -> PruneRun:
               "source": {"ref": lm.ref, "path": lm.path, "fingerprint": lm.fingerprint},
               **{k: v for k, v in meta.items() if k not in ("summary",)}, **summary,
               "eval_data": eval_info}
-    return PruneRun(result=result, config_kind=kind, eval_info=eval_info, written=written, report=report)
+    return PruneRun(result=result, target=target, config_kind=kind, eval_info=eval_info, written=written,
+                    report=report)
 
 
 @dataclass

@@ -33,9 +33,7 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
         if json_out:
             print_json(run.streamed)
         return
-    target = (run.report.get("options") or {}).get("target") or {}
-    n_layers = len(run.result.layers())
-    protected = {i % n_layers for i in target.get("protect_layers") or ()}
+    protected = run.target.protected(len(run.result.geometry_before)) if run.target else set()
     _render(err_console(), req.model, run.result, run.config_kind, run.eval_info, run.written, req.dry_run,
             protected)
     if json_out:
