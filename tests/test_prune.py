@@ -221,6 +221,28 @@ def test_the_first_layer_is_protected_unless_told_otherwise(llama_src, tmp_path)
         assert not (tmp_path / "n").exists()
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_streamed_prune_resolves_auto_protection_against_the_checkpoint(tmp_path, layers):
+    """--streaming reads the layer count from the checkpoint before it resolves `auto`: a one-layer
+    model is ranked (nothing protected, as in memory), a deeper one keeps its first layer; the
+    streamed heads equal the in-memory prune's."""
+    src = save_tiny("llama", tmp_path / "src", num_hidden_layers=layers)
+    doc = json.loads(runner.invoke(app, ["score", str(src), "--method", "magnitude"]).stdout)
+    doc["scores"] = [[0.01 * (i + 1) + j for j in range(4)] for i in range(layers)]  # layer 0 the weakest
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps(doc))
+    kept = {}
+    for mode in ("streaming", "in-memory"):
+        r = _prune(src, "--scores", scores, "--num-heads", "2", "-o", tmp_path / mode, "--json",
+                   *(["--streaming"] if mode == "streaming" else []))
+        assert r.exit_code == 0, r.stderr
+        kept[mode] = json.loads(r.stdout)["kept_heads"]
+    assert kept["streaming"] == kept["in-memory"]
+    assert len(kept["streaming"][0]) == (4 if layers > 1 else 2)
+    meta = json.loads((tmp_path / "streaming" / "headtool.json").read_text())
+    assert meta["options"]["target"]["protect_layers"] == ([0] if layers > 1 else [])
+
+
 def test_prune_help_states_the_head_grammar():
     text = " ".join(runner.invoke(app, ["prune", "--help"]).stdout.split())
     assert '"3:0,5;7:2"' in text and '"3:1,5:0"' in text

@@ -28,7 +28,7 @@ from ..model.refs import resolve_ref
 from ..model.resize import resize_attention
 from .merging import check_target, contiguous_groups, mean_layer_tensors
 from .selection import check_target as check_selection_target
-from .selection import parse_heads, select_heads, selection_from_removed
+from .selection import Target, parse_heads, select_heads, selection_from_removed
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -224,17 +224,21 @@ def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: 
                           overwrite=overwrite, shard_size=shard_size)
 
 
-def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None, target,
-                               min_heads: int, overwrite: bool, shard_size: str | int,
-                               trust_remote_code: bool = False) -> dict:
-    """`prune --streaming`: heads from a score document or a list, removed shard by shard."""
+def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None,
+                               target_for: Callable[[int], Target] | None, min_heads: int, overwrite: bool,
+                               shard_size: str | int, trust_remote_code: bool = False) -> dict:
+    """`prune --streaming`: heads from a score document or a list, removed shard by shard.
+    `target_for(num_layers)` builds the target once the checkpoint's layer count is known (it
+    resolves `--protect-layers auto`); None with explicit `heads`."""
     ck = open_checkpoint(ref, trust_remote_code)
     check_output_target(out, ck.path, overwrite)
     geometry = ck.geometry
+    target = None
     if heads is not None:
         selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
         score_info = None
     else:
+        target = target_for(len(geometry))
         check_selection_target(target, geometry)
         doc = read_scores(scores, ck)
         selection = select_heads(doc["scores"], geometry, target)

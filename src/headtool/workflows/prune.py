@@ -64,9 +64,9 @@ def run_prune(req: PruneRequest) -> PruneRun:
         if not given or req.compensate or req.eval_data or req.dry_run:
             raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
                              "--compensate, --eval-data or --dry-run")
-        target = None if req.heads is not None else prune_target(req)
         written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
-                                             target=target, min_heads=req.min_heads_per_layer, overwrite=req.overwrite,
+                                             target_for=None if req.heads is not None else
+                                             lambda n: prune_target(req, n), min_heads=req.min_heads_per_layer, overwrite=req.overwrite,
                                              shard_size=req.shard_size, trust_remote_code=req.load.trust_remote_code)
         return PruneRun(streamed=written)
     load, calib_device = sequential_placement(req.load, req.sequential)
