@@ -199,6 +199,21 @@ def _out_readonly(env: Env) -> list[str]:
     return ["prune", env.m(), "--heads", "0:0,2", "-o", str(env.out)]
 
 
+def _quantized(env: Env) -> str:
+    """A checkpoint whose config says bitsandbytes 4-bit (not installed here): transformers needs the
+    package to load it, and surgery must refuse it whether or not the package is there."""
+    d = env.copy()
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def _quantized_recipe(env: Env) -> list[str]:
+    r = env.file("q.yaml", f"model: {_quantized(env)}\noutput: {env.out}\nsteps:\n  - prune: {{heads: '0:0'}}\n")
+    return ["run", r]
+
+
 NON_UTF8 = b"caf\xe9 na\xefve \xff\xfe broken " * 50
 JSONL = "\n".join(json.dumps({"content": "some words here " * 20}) for _ in range(4))
 
@@ -213,6 +228,17 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
     ("weights-corrupt", lambda e: _prune(e, _corrupt(e), "--heads", "0:0,2"), ("weights", "safetensors")),
     ("weights-truncated", lambda e: _prune(e, _truncated(e), "--heads", "0:0,2"), ("weights", "safetensors")),
     ("weights-missing-layer", lambda e: _prune(e, _missing_tensor(e), "--heads", "0:0,2"), ("missing",)),
+    # quantized: surgery is refused from the config (before the quantization package is needed); the
+    # commands that only read the model say which package loading needs
+    ("quantized-prune", lambda e: _prune(e, _quantized(e), "--heads", "0:0"), ("quantized checkpoint (bitsandbytes)",)),
+    ("quantized-convert-gqa", lambda e: ["convert-gqa", _quantized(e), "--kv-heads", "1", "-o", str(e.out)],
+     ("quantized checkpoint (bitsandbytes)",)),
+    ("quantized-convert-mla", lambda e: ["convert-mla", _quantized(e), "--kv-rank", "4", "-o", str(e.out)],
+     ("quantized checkpoint (bitsandbytes)",)),
+    ("quantized-heal", lambda e: ["heal", _quantized(e), "--teacher", e.m(), "-o", str(e.out)],
+     ("quantized checkpoint (bitsandbytes)",)),
+    ("quantized-recipe", _quantized_recipe, ("quantized checkpoint (bitsandbytes)",)),
+    ("quantized-info", lambda e: ["info", _quantized(e)], ("requires bitsandbytes",)),
     ("weights-missing-headtool-folder", lambda e: ["info", _nonuniform_missing_tensor(e)], ("missing",)),
     ("eval-second-model-missing", lambda e: ["eval", e.m(), str(e.tmp / "nope"), "--max-samples", "1"],
      ("not found",)),
@@ -597,3 +623,19 @@ def test_written_modeling_file_matches_template(base: Path, tmp_path: Path) -> N
     assert written.exists(), sorted(p.name for p in out.iterdir())
     code = "\n".join(ln.split("#", 1)[0] for ln in written.read_text().splitlines())
     assert not [w for w in FORBIDDEN if w in code]
+
+
+def test_library_surgery_refuses_a_quantized_model_in_memory() -> None:
+    """The library's surgery entry points (not only the CLI's loading) refuse a model whose config
+    says quantized: with the package installed it would load, and slicing would drop its scales."""
+    from headtool.errors import UsageError
+    from headtool.model.loading import model_from_object
+    from headtool.surgery.pruning import prune
+    from headtool.surgery.selection import Selection
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    lm = model_from_object(model)
+    with pytest.raises(UsageError, match=r"quantized checkpoint \(gptq\)"):
+        prune(lm, Selection.from_kept(lm.geometry, [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3]]))

@@ -13,6 +13,25 @@ from .latent import MLA_KEY
 from .refs import _offline
 
 
+def quantization_method(config) -> str | None:
+    """The checkpoint's quantization method ('bitsandbytes', 'gptq', ...; 'quantized' when its
+    config does not name one), None for plain float weights."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(getattr(method, "value", method) or "quantized")
+
+
+def refuse_quantized(config, ref: str, what: str) -> None:
+    """Head surgery slices and refits plain weight matrices: a quantized one packs its values with
+    scales and zero points per group, which slicing would leave behind (a broken checkpoint)."""
+    method = quantization_method(config)
+    if method:
+        raise UsageError(f"{ref}: a quantized checkpoint ({method}); {what} rewrites plain weights and would "
+                         "leave their scales behind: give a dequantized (float) copy, and quantize the result")
+
+
 def load_config(path: str, source: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 

@@ -14,7 +14,7 @@ from ..arch import LAYOUT_KEY, Adapter, adapter_for
 from ..console import warn
 from ..errors import HeadtoolError, UsageError
 from .classes import auto_class, pick_task
-from .config import load_config
+from .config import load_config, refuse_quantized
 from .fingerprint import folder_fingerprint, model_fingerprint
 from .latent import MLA_KEY, load_latent_folder
 from .placement import (
@@ -105,16 +105,21 @@ def load_model(
     tokenizer: str | None = None,
     device_map: str | None = None,
     max_memory: str | None = None,
+    rewrites: str | None = None,
 ) -> LoadedModel:
     """Load MODEL for headtool; bad references are a UsageError with one clear line.
 
     max_memory ('0=70GiB,cpu=120GiB'): accelerate's per-device caps for device_map; what does
-    not fit goes to disk (offload folder in headtool's cache)."""
+    not fit goes to disk (offload folder in headtool's cache). rewrites: the command that will
+    rewrite the weights ('prune', ...): a quantized checkpoint is refused from its config, before
+    its quantization package is needed to load it."""
     if max_memory and not device_map:
         raise UsageError("--max-memory caps devices for --device-map: add --device-map auto")
     caps = parse_max_memory(max_memory) if max_memory else None
     path, source = resolve_ref(ref)
     config = load_config(path, source, trust_remote_code)
+    if rewrites:
+        refuse_quantized(config, ref, rewrites)
     adapter = adapter_for(config)
     task = pick_task(config, task)
     torch_dtype = resolve_dtype(dtype)
@@ -155,6 +160,8 @@ def load_model(
                          f"({str(e).splitlines()[0]})") from e
     except OSError as e:
         raise UsageError(f"{ref}: cannot load weights: {str(e).splitlines()[0]}") from e
+    except ImportError as e:  # a package the checkpoint needs (its quantization, its remote code)
+        raise UsageError(f"{ref}: cannot load the model: {str(e).splitlines()[0]}") from e
     except (ValueError, RuntimeError, KeyError) as e:
         raise UsageError(f"{ref}: cannot load the model: {str(e).splitlines()[0]}") from e
     finally:

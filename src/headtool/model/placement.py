@@ -43,7 +43,11 @@ def has_offloaded_weights(model) -> bool:
 
 
 def require_resident_weights(model, what: str, instead: str) -> None:
-    """Surgery and training rewrite weights in place: offloaded ones are not there to rewrite."""
+    """Surgery and training rewrite weights in place: offloaded ones are not there to rewrite, and
+    quantized ones are packed with scales that slicing would leave behind."""
+    from .config import refuse_quantized
+
+    refuse_quantized(model.config, getattr(model.config, "_name_or_path", "") or "the model", what)
     if has_offloaded_weights(model):
         raise UsageError(f"{what} rewrites weights that --device-map offloaded to CPU or disk: {instead}")
 

@@ -22,7 +22,7 @@ from ..io.safetensors_stream import DTYPES, LazyCheckpoint, write_checkpoint_str
 from ..io.sizes import parse_size
 from ..measure.scores_doc import read_scores
 from ..model.classes import auto_class, model_class, pick_task
-from ..model.config import load_config
+from ..model.config import load_config, refuse_quantized
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.refs import resolve_ref
 from ..model.resize import resize_attention
@@ -80,11 +80,7 @@ def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
         raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
     config = load_config(path, source, trust_remote_code)
     adapter = adapter_for(config)
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        raise UsageError(f"{ref}: a quantized checkpoint ({method or 'quantization_config'}); streaming surgery slices "
-                         "plain weights and would leave their scales behind: give a dequantized copy")
+    refuse_quantized(config, ref, "streaming surgery")
     lazy = LazyCheckpoint(path)
     return CheckpointRef(ref, path, config, adapter, lazy, pick_task(config))
 

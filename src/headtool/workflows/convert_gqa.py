@@ -88,7 +88,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
                                       shard_size=req.shard_size)
         return ConvertRun(summary=None, streamed=written)
     load, calib_device = sequential_placement(req.load, req.sequential)
-    lm = load_model(req.model, **load.kwargs())
+    lm = load_model(req.model, rewrites="convert-gqa", **load.kwargs())
     require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
     check_target(lm.adapter, lm.geometry, req.kv_heads)
     check_output_target(req.output, lm.path, req.overwrite)

@@ -168,7 +168,7 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
     req.validate()
     if req.output is None:
         raise UsageError("convert-mla needs -o OUT (the output folder)")
-    lm = load_model(req.model, **req.load.kwargs())
+    lm = load_model(req.model, rewrites="convert-mla", **req.load.kwargs())
     require_resident_weights(lm.model, "convert-mla", CONVERT_INSTEAD)
     latent_target(lm, req)  # an impossible target is refused before the output folder is looked at
     check_output_target(req.output, lm.path, req.overwrite)

@@ -105,7 +105,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     if world.size > 1 and torch.cuda.is_available() and load_kwargs.get("device", "auto") in ("auto", "cuda"):
         load_kwargs["device"] = f"cuda:{world.local_rank}"
 
-    student = load_model(req.student, **load_kwargs)
+    student = load_model(req.student, rewrites="heal", **load_kwargs)
     require_resident_weights(student.model, "heal", "the student is trained in place, so it must fit in memory "
                              "without offload (drop --max-memory or raise its caps)")
     teacher = load_model(req.teacher, **load_kwargs)

@@ -70,7 +70,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
                                              shard_size=req.shard_size, trust_remote_code=req.load.trust_remote_code)
         return PruneRun(streamed=written)
     load, calib_device = sequential_placement(req.load, req.sequential)
-    lm = load_model(req.model, **load.kwargs())
+    lm = load_model(req.model, rewrites=None if req.dry_run else "prune", **load.kwargs())
     if not req.dry_run:
         require_resident_weights(lm.model, "prune", PRUNE_INSTEAD)
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)

@@ -266,11 +266,11 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         LoadOptions(dtype=v.get("dtype", "auto"), device=v.get("device", "auto"),
                     trust_remote_code=bool(v.get("trust_remote_code")), device_map=v.get("device_map"),
                     max_memory=v.get("max_memory")), bool(v.get("sequential")))
-    lm = load_model(v["model"], **load.kwargs())
+    rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "convert_mla", "heal")})
+    lm = load_model(v["model"], rewrites=f"the recipe ({', '.join(rewrites)})" if rewrites else None, **load.kwargs())
     ctx = Context(recipe, lm, calib_device=calib_device)
     check_geometry(ctx)
     offloaded = has_offloaded_weights(lm.model)
-    rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "convert_mla", "heal")})
     if rewrites or out:  # before any step runs, not in the middle of the recipe
         require_resident_weights(lm.model, f"{v['model']}: the recipe ({', '.join(rewrites) or 'its output'})",
                                  "use sequential: true (one layer at a time on the device) instead")
