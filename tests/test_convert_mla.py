@@ -543,3 +543,62 @@ def test_folded_absorbed_decode_equals_plain_and_refolds_when_weights_change(fam
     out = conv.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits  # gradients on: unfolded
     out.float().pow(2).mean().backward()
     assert all(m.kv_b_proj.weight.grad is not None and m.kv_b_proj.weight.grad.abs().sum() > 0 for m in layers)
+
+
+def _deepseek_layout(conv, model, ad):
+    """The same latent model written in the layout of headtool's earlier outputs (no
+    `factored_query` in the table): q_proj over the hidden state with each head's [query | rotary
+    query] rows, no q_rope_proj."""
+    import copy
+
+    from headtool.model.latent import install_latent
+
+    spec = {k: v for k, v in conv.spec.items() if k != "factored_query"}
+    tensors = []
+    for m in (mm for mm in conv.model.modules() if isinstance(mm, LatentAttention)):
+        h, d, nope, rope = m.num_heads, m.v_head_dim, m.qk_nope_dim, m.rope_dim
+        wh = m.q_proj.weight.detach().view(h, d, -1)
+        maps = m.q_rope_proj.detach().view(h, rope, d)
+        values = {k: v.detach().clone() for k, v in m.named_parameters() if k not in ("q_proj.weight", "q_proj.bias",
+                                                                                      "q_rope_proj")}
+        values["q_proj.weight"] = torch.cat([wh[:, :nope], torch.einsum("hrd,hdi->hri", maps, wh)], 1).reshape(
+            h * (nope + rope), -1)
+        if m.q_proj.bias is not None:
+            bh = m.q_proj.bias.detach().view(h, d)
+            values["q_proj.bias"] = torch.cat([bh[:, :nope], torch.einsum("hrd,hd->hr", maps, bh)], 1).reshape(-1)
+        tensors.append(values)
+    old = copy.deepcopy(model)
+    install_latent(old, ad, spec, tensors)
+    return old
+
+
+@pytest.mark.parametrize("family", [f for f in LATENT_FAMILIES if f not in ("qwen3", "gemma3_text")])
+def test_factored_query_equals_the_earlier_layout_and_costs_fewer_parameters(family):
+    """The rotary query is a per-head map of the head's own query (q_rope_proj, rope_dim x head_dim),
+    where the earlier layout gave q_proj rope_dim x hidden more rows per head: the same model
+    (plain, absorbed, cached), fewer parameters, and folders in the earlier layout still load."""
+    model = tiny_model(family, **({"attention_bias": True} if family in ("llama", "mistral") else {}))
+    ad = adapter_for(model.config)
+    ids = sample_ids(family, seed=3)
+    conv = L.convert_model_latent(model, ad, 4, rope_dim=_small_rope(model), grams=_grams(model, family))
+    assert conv.spec["factored_query"] is True
+    old = _deepseek_layout(conv, model, ad)
+    new_attn = next(m for m in conv.model.modules() if isinstance(m, LatentAttention))
+    old_attn = next(m for m in old.modules() if isinstance(m, LatentAttention))
+    assert new_attn.factored_query and not old_attn.factored_query
+    g = ad.geometry(model.config)[0]
+    assert new_attn.q_proj.weight.shape[0] == g.num_heads * g.head_dim  # the original query heads
+    if new_attn.rope_dim:
+        hidden = new_attn.q_proj.weight.shape[1]
+        saved = g.num_heads * new_attn.rope_dim * (hidden - g.head_dim) * model.config.num_hidden_layers
+        n_new, n_old = (sum(p.numel() for p in x.parameters()) for x in (conv.model, old))
+        assert n_old - n_new == saved + (g.num_heads * new_attn.rope_dim * model.config.num_hidden_layers
+                                         if new_attn.q_proj.bias is not None else 0)
+    for absorb in (False, True):
+        _absorb(conv.model, absorb)
+        _absorb(old, absorb)
+        assert (logits_of(conv.model, ids) - logits_of(old, ids)).abs().max().item() <= 1e-4, absorb
+    _absorb(conv.model, "auto")
+    _absorb(old, "auto")
+    prompt = ids[:1, :6]
+    assert _generate(conv.model, prompt).tolist() == _generate(old, prompt).tolist()

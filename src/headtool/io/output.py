@@ -160,7 +160,10 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
                "which no weights can undo, and "
                + ("its rotary key turns with the frequencies of its own `qk_rope_head_dim`, whereas these rotary "
                   "slots keep the planes of the original heads." if rotary else
-                  "its layers are Llama's (RMSNorm, gated MLP, RoPE), not this family's."))
+                  "its layers are Llama's (RMSNorm, gated MLP, RoPE), not this family's.")
+               + (" Each head's rotary query is stored as a map of that head's own query (`q_rope_proj`, "
+                  "rope_dim x head_dim weights), where DeepSeek's q_proj would hold it multiplied out (rope_dim x "
+                  "hidden)." if rotary else ""))
     lines = [
         "---", "library_name: transformers", "tags:", "- headtool", f"- {op}", "---", "",
         f"# {op} of {src.get('ref') or src.get('path') or 'a model'}", "",

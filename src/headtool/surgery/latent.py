@@ -16,7 +16,8 @@ K/V merging (`merging`), whose plane helpers this module shares.
    (complex scalars are rotation-scalings of a plane, which commute with RoPE) and concentrates
    at least as much energy.
 2. The rotary key: the n slots (p, m) with the most key energy times query energy keep RoPE and
-   form the shared rotary key; each query head gets the matching rotary query U_p[m, j(h)] q_h^p.
+   form the shared rotary key; each query head gets the matching rotary query U_p[m, j(h)] q_h^p,
+   a map of its own query (q_rope_proj, rope_dim x d per head), so q_proj stays as it was.
 3. The rest of K (the other slots, whose RoPE is dropped, and dims that never rotated) and all
    of V are compressed into the latent: Y = [k_nope; v] = C x~ is approximated by B A x~ with
    A = U_R^T W^1/2 C and B = W^-1/2 U_R, U_R the leading eigenvectors of W^1/2 C G~ C^T W^1/2
@@ -163,14 +164,15 @@ def choose_slots(u: torch.Tensor, lam: torch.Tensor, q: torch.Tensor, gram: torc
 # --------------------------------------------------------------------------- one layer
 @dataclass
 class LatentLayer:
-    """One converted layer, float64, bias in the last column of q / kv_a."""
+    """One converted layer, float64, bias in the last column of q_heads / kv_a."""
 
-    q: torch.Tensor  # [H * (nope + rope_dim), D+1]
     kv_a: torch.Tensor  # [kv_rank + rope_dim, D+1]
     kv_b: torch.Tensor  # [H * (nope + d), kv_rank]
     o: torch.Tensor  # [H, d, D_out] unchanged
     slots: list[tuple[int, int]]  # (plane, rotated head) of every rotary slot
     qk_nope_dim: int
+    q_heads: torch.Tensor  # [H * d, D+1]: the original query rows (the no-RoPE query is all of them)
+    q_rope_map: torch.Tensor  # [H * rope_dim, d]: each head's rotary query from its own query
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -187,7 +189,7 @@ class LayerProblem:
 
     slots: list[tuple[int, int]]
     k_rope: torch.Tensor
-    q_rope: list[torch.Tensor]
+    q_rope_map: torch.Tensor  # [H, rope_dim, d]: head h's rotary query is q_rope_map[h] @ (its query)
     lmap: torch.Tensor
     n_k: int
     y: torch.Tensor
@@ -228,16 +230,18 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
         slots = []
     dropped = sorted(set((p, m) for p in range(P) for m in range(K)) - set(slots), key=lambda s: (s[1], s[0]))
     zk = torch.einsum("pmj,jpd->mpd", u, _planes(b.k, rot_dim))  # rotated key planes [K, P, D+1]
-    zq = _planes(b.q, rot_dim)  # [H, P, D+1]
     jh = [geo.kv_head_of(h) for h in range(H)]
 
-    # shared rotary key and each head's rotary query
+    # shared rotary key and each head's rotary query: a map of the head's own query (its planes at
+    # the slots' frequencies turned by the mixing's coefficients), so the layer keeps q_proj as it is
     if slots:
         k_rope = _real_rows(torch.stack([zk[m, p] for p, m in slots]))
-        q_rope = [_real_rows(torch.stack([u[p, m, jh[h]] * zq[h, p] for p, m in slots])) for h in range(H)]
+        eye = _planes(torch.eye(d, dtype=b.q.dtype)[None], rot_dim)[0]  # [P, d]: plane p of a query
+        q_map = torch.stack([_real_rows(torch.stack([u[p, m, jh[h]] * eye[p] for p, m in slots]))
+                             for h in range(H)])
     else:
         k_rope = b.k.new_zeros(0, b.k.shape[-1])
-        q_rope = [b.q.new_zeros(0, b.q.shape[-1])] * H
+        q_map = b.q.new_zeros(H, 0, d)
 
     # the key without RoPE: dropped slots (real parts, imaginary parts), then dims that never rotate
     nd, f = len(dropped), d - rot_dim
@@ -292,7 +296,7 @@ def prepare_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, 
     sy = w_half @ y
     ev, vec = torch.linalg.eigh(sy @ g_reg @ sy.T)
     ev, vec = ev.flip(0).clamp_min(0), vec.flip(1)
-    return LayerProblem(slots, k_rope, q_rope, lmap, n_k, y, sy, w_inv, ev, vec, report)
+    return LayerProblem(slots, k_rope, q_map, lmap, n_k, y, sy, w_inv, ev, vec, report)
 
 
 @_one_thread
@@ -312,13 +316,13 @@ def finish_layer(pb: LayerProblem, b: Blocks, geo: LayerHeads, kv_rank: int) -> 
 
     b_k, b_v = b_mat[:n_k], b_mat[n_k:]
     nope = d if n_k else 0
-    q_rows, kv_b_rows = [], []
+    kv_b_rows = []
     for h in range(H):
         j = jh[h]
-        q_rows += ([b.q[h]] if nope else []) + [pb.q_rope[h]]
         kv_b_rows += ([pb.lmap[j] @ b_k] if nope else []) + [b_v[j * d:(j + 1) * d]]
-    return LatentLayer(q=torch.cat(q_rows), kv_a=torch.cat([a_mat, pb.k_rope]), kv_b=torch.cat(kv_b_rows), o=b.o,
-                       slots=pb.slots, qk_nope_dim=nope, report=report)
+    return LatentLayer(kv_a=torch.cat([a_mat, pb.k_rope]), kv_b=torch.cat(kv_b_rows), o=b.o,
+                       slots=pb.slots, qk_nope_dim=nope, q_heads=b.q.reshape(H * d, -1),
+                       q_rope_map=pb.q_rope_map.reshape(-1, d), report=report)
 
 
 def latent_layer(b: Blocks, geo: LayerHeads, gram: torch.Tensor, rot_dim: int, rope_dim: int, kv_rank: int,
@@ -405,10 +409,14 @@ def _has_bias(adapter: Adapter, prefix: str, state: Mapping[str, torch.Tensor], 
 
 def _module_tensors(layer: LatentLayer, q_bias: bool, kv_bias: bool, o_bias: torch.Tensor | None,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {"q_proj.weight": layer.q[:, :-1], "kv_a_proj_with_mqa.weight": layer.kv_a[:, :-1],
+    """The latent layer's parameters: the original q_proj, each head's rotary query map over it
+    (`q_rope_proj`, rope_dim x head_dim per head, where the DeepSeek layout's extra q_proj rows
+    would cost rope_dim x hidden per head), the latent and its up-projection, the output."""
+    out = {"q_proj.weight": layer.q_heads[:, :-1], "q_rope_proj": layer.q_rope_map,
+           "kv_a_proj_with_mqa.weight": layer.kv_a[:, :-1],
            "kv_b_proj.weight": layer.kv_b, "o_proj.weight": layer.o.reshape(-1, layer.o.shape[-1]).T}
     if q_bias:
-        out["q_proj.bias"] = layer.q[:, -1]
+        out["q_proj.bias"] = layer.q_heads[:, -1]
     if kv_bias:
         out["kv_a_proj_with_mqa.bias"] = layer.kv_a[:, -1]
     if o_bias is not None:
@@ -424,14 +432,13 @@ def _normed_module_tensors(layer: LatentLayer, attention, geo: LayerHeads, o_bia
     """The latent layer of a qk-normed family: the original q/k projections and norms (the normed
     features), the per-head rotary query maps, the latent over [normed K, x, 1] (its V part folded
     through v_proj, which the layer then no longer needs) and the up-projection."""
-    H, K, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
-    q = layer.q.view(H, -1, d)  # [nope | rope] rows per head over the head's normed query
+    K, d = geo.num_kv_heads, geo.head_dim
     if layer.kv_a[:, -1].abs().max() > 1e-9:  # K and V rows select features: no constant term
         raise AssertionError("the latent of normed features has a constant term")
     a_k, a_v = layer.kv_a[:, :K * d], layer.kv_a[:, K * d:2 * K * d]
     v_proj = attention.v_proj
     a_x = a_v @ v_proj.weight.detach().to(a_v.dtype)  # latent from the values = (A_v W_v) x + A_v b_v
-    out = {"q_rope_proj": q[:, layer.qk_nope_dim:].reshape(-1, d),
+    out = {"q_rope_proj": layer.q_rope_map,
            "kv_a_proj_with_mqa.weight": torch.cat([a_k, a_x], dim=1),
            "kv_b_proj.weight": layer.kv_b, "o_proj.weight": layer.o.reshape(-1, layer.o.shape[-1]).T}
     if v_proj.bias is not None:
@@ -563,7 +570,7 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         "rope_planes": [[p for p, _ in s] for s in slots], "rope_heads": [[m for _, m in s] for s in slots],
         "scaling": per_layer(scaling), "q_bias": q_bias and not normed,
         "kv_bias": v_bias if normed else kv_bias, "o_bias": o_bias, "absorb": absorb,
-        "qk_norm": normed,
+        "qk_norm": normed, "factored_query": True,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
         "source_num_kv_heads": per_layer([x.num_kv_heads for x in geometry]),
     }

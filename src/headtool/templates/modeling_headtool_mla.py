@@ -76,9 +76,12 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 class LatentAttention(nn.Module):
     """Multi-head latent attention with a decoupled rotary key, laid out as DeepSeek-V2/V3 with
-    q_lora_rank = None and no norm on the latent.
+    q_lora_rank = None and no norm on the latent, except for the query when factored_query:
 
-    q_proj:             hidden -> heads x (qk_nope_dim + rope_dim)   [q_nope | q_rope] per head
+    q_proj:             hidden -> heads x head_dim                   the original query heads
+    q_rope_proj:        per head head_dim -> rope_dim                the rotary query, from the head's query
+                        (without factored_query, folders written before it: q_proj gives
+                        hidden -> heads x (qk_nope_dim + rope_dim), [q_nope | q_rope] per head)
     kv_a_proj_with_mqa: hidden -> kv_rank + rope_dim                 [latent | shared rotary key]
     kv_b_proj:          kv_rank -> heads x (qk_nope_dim + v_head_dim) [W_uk | W_uv] per head, no bias
     o_proj:             heads x v_head_dim -> hidden
@@ -116,6 +119,11 @@ class LatentAttention(nn.Module):
         # value projection folded in), the rotary queries per head over the normed query
         # (q_rope_proj [heads x rope_dim, head_dim]); the no-RoPE query is the normed query itself
         self.qk_norm = bool(spec.get("qk_norm"))
+        # factored query (what convert-mla writes; normed heads always had it): q_proj keeps the
+        # original heads and each head's rotary query is q_rope_proj [heads x rope_dim, head_dim]
+        # over that head's query, where the DeepSeek layout computes both from the hidden state
+        # (rope_dim x hidden more weights per head); tables without the key are that older layout
+        self.factored_query = bool(spec.get("factored_query", self.qk_norm))
         if self.qk_norm:
             if source is None:
                 raise ValueError("latent attention over normed heads is built from the attention it replaces")
@@ -128,6 +136,10 @@ class LatentAttention(nn.Module):
             self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
             self.kv_a_proj_with_mqa = nn.Linear(kv_heads * d + hidden, self.kv_rank + self.rope_dim,
                                                 bias=bool(spec["kv_bias"]))
+        elif self.factored_query:
+            self.q_proj = nn.Linear(hidden, h * self.v_head_dim, bias=bool(spec["q_bias"]))
+            self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
         else:
             self.q_proj = nn.Linear(hidden, h * (self.qk_nope_dim + self.rope_dim), bias=bool(spec["q_bias"]))
             self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
@@ -157,18 +169,28 @@ class LatentAttention(nn.Module):
     def _folded_weights(self):
         """(q weight, q bias, o weight) with the key up-projection folded into the query's no-RoPE
         part and the value up-projection into the output; cached until a weight changes."""
-        params = (self.q_proj.weight, self.q_proj.bias, self.kv_b_proj.weight, self.o_proj.weight)
+        params = (self.q_proj.weight, self.q_proj.bias, getattr(self, "q_rope_proj", None), self.kv_b_proj.weight,
+                  self.o_proj.weight)
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) if p is not None else None for p in params)
         if self._folded is None or self._folded[0] != key:
             h, nope, rope, rank, vd = (self.num_heads, self.qk_nope_dim, self.rope_dim, self.kv_rank,
                                        self.v_head_dim)
             dtype = self.q_proj.weight.dtype
             w = self.kv_b_proj.weight.float().view(h, nope + vd, rank)
-            wq = self.q_proj.weight.float().view(h, nope + rope, -1)
+            bq = self.q_proj.bias.float() if self.q_proj.bias is not None else None
+            if self.factored_query:  # the DeepSeek layout's rows: [the head's query | its rotary query]
+                wh = self.q_proj.weight.float().view(h, vd, -1)
+                m = self.q_rope_proj.float().view(h, rope, vd)
+                wq = torch.cat([wh[:, :nope], torch.einsum("hrd,hdi->hri", m, wh)], dim=1)
+                if bq is not None:
+                    bh = bq.view(h, vd)
+                    bq = torch.cat([bh[:, :nope], torch.einsum("hrd,hd->hr", m, bh)], dim=1)
+            else:
+                wq = self.q_proj.weight.float().view(h, nope + rope, -1)
             q_w = torch.cat([torch.einsum("hdr,hdi->hri", w[:, :nope], wq[:, :nope]), wq[:, nope:]], dim=1)
             q_b = None
-            if self.q_proj.bias is not None:
-                bq = self.q_proj.bias.float().view(h, nope + rope)
+            if bq is not None:
+                bq = bq.view(h, nope + rope)
                 q_b = torch.cat([torch.einsum("hdr,hd->hr", w[:, :nope], bq[:, :nope]), bq[:, nope:]], dim=1)
                 q_b = q_b.reshape(-1).to(dtype)
             wo = self.o_proj.weight.float().view(-1, h, vd)
@@ -201,9 +223,10 @@ class LatentAttention(nn.Module):
         if folded is not None:  # the query arrives in latent space: [q_nope W_uk | q_rope] per head
             q = nn.functional.linear(hidden_states, folded[0], folded[1]).view(b, t, h, rank + rope).transpose(1, 2)
             q_lat, q_rope = q.split([rank, rope], dim=-1)
-        elif self.qk_norm:
-            shape = (b, t, -1, vd)
-            qn = self.q_norm(self.q_proj(hidden_states).view(shape))  # [b, t, h, head_dim]
+        elif self.factored_query:
+            qn = self.q_proj(hidden_states).view(b, t, -1, vd)  # [b, t, h, head_dim]
+            if self.qk_norm:
+                qn = self.q_norm(qn)
             q_rope = torch.einsum("bthd,hrd->bhtr", qn, self.q_rope_proj.view(h, rope, vd))
             q_nope = qn.transpose(1, 2)[..., :nope]
         else:
