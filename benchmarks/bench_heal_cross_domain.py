@@ -12,8 +12,10 @@ pydoc part of the heal data never reaches the in-domain evaluation blocks (pydoc
 cal + held .. cal + held + eval - 1 of its seeded order: the heal's pydoc share starts after them).
 
 Evaluation: news (Lee corpus), legal (builtin:licenses), in-domain pydoc, exactly the sets of
-bench_cross_domain.py (same --eval and --cal + --held). Gap closed per domain: the share of the
-student's log-perplexity excess over the teacher that the heal removed.
+bench_cross_domain.py (same --eval and --cal + --held), and the heal's own held-out blocks (the heal
+data's domain: what "in-domain" means for a heal on `self` alone, where pydoc is out of domain too).
+Gap closed per domain: the share of the student's log-perplexity excess over the teacher that the
+heal removed.
 
     HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_heal_cross_domain.py
 
@@ -28,6 +30,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cross_domain import MODEL, evaluation_sets, perplexities  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
+from headtool.data.batches import make_batches  # noqa: E402
 from headtool.data.sources import DataSpec, parse_sources  # noqa: E402
 from headtool.model.loading import load_model, model_from_object  # noqa: E402
 from headtool.train.options import HealOptions  # noqa: E402
@@ -119,37 +123,57 @@ def main() -> None:
         data = DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, seed=0, skip_samples=skip)
         req = HealRequest(student=MODEL, teacher=MODEL, output="", data=data, eval_samples=a.eval_samples,
                           opts=HealOptions(train="attention", max_steps=a.max_steps))
+        # the heal's own held-out blocks (heal_loaded holds out the first --eval-samples of --data)
+        held = {"heal": make_batches(replace(data, max_samples=a.eval_samples), tok, "lm", model=lm).batches}
+        held_teacher, _ = perplexities(lm.model, held)
+        held_before, _ = perplexities(student, held)
         healed = model_from_object(copy.deepcopy(student), tok, ref=MODEL)
         t0 = time.perf_counter()
         res = heal_loaded(healed, lm, req)
         heal_s = time.perf_counter() - t0
         after, _ = perplexities(healed.model, evals)
+        held_after, _ = perplexities(healed.model, held)
         info = res.to_json()
         row = {"heal_data": source, "skip_samples": skip, "seconds": round(heal_s, 1), "steps": info.get("steps"),
                "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
                "gap_closed": {n: gap_closed(before[n]["perplexity"], after[n]["perplexity"],
-                                            teacher[n]["perplexity"]) for n in evals}}
+                                            teacher[n]["perplexity"]) for n in evals},
+               "heal_heldout": {"blocks": a.eval_samples, "teacher": held_teacher["heal"],
+                                "before": held_before["heal"], "after": held_after["heal"],
+                                "gap_closed": gap_closed(held_before["heal"]["perplexity"],
+                                                         held_after["heal"]["perplexity"],
+                                                         held_teacher["heal"]["perplexity"])}}
         doc["rows"].append(row)
         out.write_text(json.dumps(doc, indent=2) + "\n")
         log(f"heal on {source}: " + "  ".join(
             f"{n} {before[n]['perplexity']:.2f} -> {after[n]['perplexity']:.2f} "
-            f"({100 * row['gap_closed'][n]:.0f}% closed)" for n in evals) + f"  [{heal_s:.0f} s]")
+            f"({100 * row['gap_closed'][n]:.0f}% closed)" for n in evals)
+            + f"  its own held-out {held_before['heal']['perplexity']:.2f} -> {held_after['heal']['perplexity']:.2f} "
+            f"(teacher {held_teacher['heal']['perplexity']:.2f}, {100 * row['heal_heldout']['gap_closed']:.0f}% "
+            f"closed)  [{heal_s:.0f} s]")
     print(render(doc))
 
 
 def render(doc: dict) -> str:
-    """Perplexity before -> after and the gap closed, per domain (in-domain last)."""
+    """Perplexity before -> after and the gap closed, per domain (in-domain last), then the heal data's own
+    held-out blocks where the run measured them."""
     names = doc["order"]
     d = doc["domains"]
-    lines = ["| heal data | " + " | ".join(d[n].get("label", n) for n in names) + " | seconds |",
-             "| --- | " + " | ".join("---:" for _ in names) + " | ---: |",
-             "| teacher (unpruned) | " + " | ".join(f"{doc['teacher'][n]['perplexity']:.2f}" for n in names) + " | |",
+    own = any("heal_heldout" in r for r in doc["rows"])
+    lines = ["| heal data | " + " | ".join(d[n].get("label", n) for n in names)
+             + (" | the heal data's held-out blocks (teacher / student before)" if own else "") + " | seconds |",
+             "| --- | " + " | ".join("---:" for _ in names) + (" | ---:" if own else "") + " | ---: |",
+             "| teacher (unpruned) | " + " | ".join(f"{doc['teacher'][n]['perplexity']:.2f}" for n in names)
+             + (" |" if own else "") + " | |",
              "| student, before healing | " + " | ".join(f"{doc['before'][n]['perplexity']:.2f}" for n in names)
-             + " | |"]
+             + (" |" if own else "") + " | |"]
     for r in doc["rows"]:
+        h = r.get("heal_heldout")
+        cell = (f" | {h['after']['perplexity']:.2f} ({100 * h['gap_closed']:.0f}% closed; "
+                f"{h['teacher']['perplexity']:.2f} / {h['before']['perplexity']:.2f})" if h else " | -")
         lines.append(f"| `{r['heal_data']}` | " + " | ".join(
             f"{r['after'][n]['perplexity']:.2f} ({100 * r['gap_closed'][n]:.0f}% closed)" for n in names)
-            + f" | {r['seconds']:.0f} |")
+            + (cell if own else "") + f" | {r['seconds']:.0f} |")
     lines += ["", f"Student: {doc['student']['made_by']}. Heal: `--train attention`, {doc['settings']['max_steps']} "
               f"steps of {doc['settings']['batch_size']} x {doc['settings']['seq_len']} tokens. Gap closed: the "
               "share of the student's log-perplexity excess over the teacher that the heal removed.",

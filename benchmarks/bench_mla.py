@@ -62,12 +62,17 @@ def _fmt(v: float) -> str:
 
 
 def render(doc: dict) -> str:
-    """Markdown: perplexity (ratio) per evaluation set, cache per token, decode tokens/s (ratio)."""
+    """Markdown: perplexity (ratio) per evaluation set, cache per token, parameters, prefill and decode
+    tokens/s (ratio)."""
     order = doc["order"]
     labels = [doc["domains"][n].get("label", n) for n in order]
-    head = ["change", "kv_rank + rope_dim per layer", *labels, "KV cache / token", f"decode tok/s @ {doc['settings']['context']}"]
+    ctx = doc["settings"]["context"]
+    with_params = all("params" in r for r in doc["rows"])
+    head = ["change", "kv_rank + rope_dim per layer", *labels, "KV cache / token",
+            *(["parameters"] if with_params else []), f"prefill tok/s @ {ctx}", f"decode tok/s @ {ctx}"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
     base_bytes = doc["rows"][0]["kv_cache_bytes_per_token"]
+    base_params = doc["rows"][0].get("params")
     for r in doc["rows"]:
         cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)" for n in order]
         ranks = r.get("kv_rank")
@@ -75,12 +80,17 @@ def render(doc: dict) -> str:
         if ranks is not None and r.get("rope_dim") is not None:
             rank += f" + {r['rope_dim']}"
         speed = r.get("speed") or {}
-        dec = speed.get("decode_tokens_per_s")
-        ratio = (speed.get("ratio") or {}).get("decode_tokens_per_s")
+        ratios = speed.get("ratio") or {}
+
+        def rate(key: str) -> str:
+            v = speed.get(key)
+            return "-" if v is None else f"{v:.2f} ({ratios[key]:.2f}x)" if ratios.get(key) else f"{v:.2f}"
+        params = ([f"{r['params'] / 1e6:.2f}M ({r['params'] / base_params:.3f}x)"] if with_params else [])
         lines.append("| " + " | ".join([r["change"], rank, *cells,
                                           f"{r['kv_cache_bytes_per_token']:,} B "
                                           f"({r['kv_cache_bytes_per_token'] / base_bytes:.3f}x)",
-                                          "-" if dec is None else f"{dec:.2f} ({ratio:.2f}x)"]) + " |")
+                                          *params, rate("prefill_tokens_per_s"),
+                                          rate("decode_tokens_per_s")]) + " |")
     lines += ["", f"`{doc['command']}`"]
     return "\n".join(lines)
 

@@ -213,13 +213,17 @@ def heal_cross_domain_section(doc: dict) -> str:
     student = (f"latent attention (convert-mla) at {Fraction(doc['student']['kv_cache']).limit_denominator(16)} "
                "of the KV cache" if mla else "3 → 1 KV heads")
     return "\n".join([
-        f"### Healing, out of domain: SmolLM2-135M {student} healed on pydoc or on pydoc + self-generated text",
+        f"### Healing, out of domain: SmolLM2-135M {student} healed on "
+        + " or on ".join(f"`{r['heal_data']}`" for r in doc["rows"]),
         "",
         ("The student is the uniform-rank convert-mla row of the latent-attention table below, with the "
          if mla else "The same student, with the ") +
         "evaluation sets of the out-of-domain table above; each heal trains the attention "
         "projections against the original model. Perplexity after the heal (the share of the student's "
-        "log-perplexity excess over the teacher that it closed).",
+        "log-perplexity excess over the teacher that it closed)."
+        + (" The last column is the heal's own held-out blocks of its data (the heal's in-domain text; "
+           "the pydoc column is in-domain for the student's calibration, and out of domain for a heal on "
+           "`self` alone)." if any("heal_heldout" in r for r in doc["rows"]) else ""),
         "",
         render(doc),
     ])
