@@ -59,7 +59,10 @@ def card_table(summary: dict[str, Any]) -> str:
 # perplexity ratio news / legal): at a third of the cache (128 dims a layer) rope_dim 16 7.09x /
 # 10.73x, 32 3.20x / 4.81x, 40 2.42x / 3.31x, 48 2.36x / 3.33x, 56 2.47x / 3.51x, 64 (one head's
 # rotary dims, the earlier default) 2.70x / 3.90x, 80 3.63x / 5.39x, 96 5.18x / 8.49x; at an
-# eighth (48 dims a layer) 8 13.19x / 23.06x, 16 12.60x / 22.59x, 24 10.71x / 20.48x.
+# eighth (48 dims a layer) 8 13.19x / 23.06x, 16 12.60x / 22.59x, (18, this share: 11.99x / 22.10x),
+# 24 10.71x / 20.48x, 32 11.51x / 22.67x, 40 14.51x / 27.39x. The best share grows as the budget
+# shrinks (3/8 at a third, 1/2 at an eighth); two points of one model are too few for a rule, and
+# at an eighth the best split is still far from usable without training.
 ROPE_SHARE = 3 / 8
 
 
