@@ -190,6 +190,21 @@ def test_stdin(monkeypatch, causal):
     assert b.info["source"] == "-" and b.info["samples"] == len(causal(text, add_special_tokens=False)["input_ids"]) // 32
 
 
+def test_stdin_is_read_once_and_cut_as_often_as_asked(monkeypatch, causal):
+    """A command cuts calibration, held-out and evaluation blocks from `--data -` separately; a pipe
+    gives its text once, so every cut reads the same text (a new stdin is read afresh)."""
+    text = " ".join(SENTENCES)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    first = make_batches(DataSpec(source="-", seq_len=32, max_samples=2), causal, "lm")
+    held = make_batches(DataSpec(source="-", seq_len=32, max_samples=2, skip_samples=2), causal, "lm")
+    assert first.info["samples"] == held.info["samples"] == 2
+    again = make_batches(DataSpec(source="-", seq_len=32, max_samples=2), causal, "lm")
+    assert torch.equal(first.batches[0]["input_ids"], again.batches[0]["input_ids"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("other words " * 200))
+    other = make_batches(DataSpec(source="-", seq_len=32, max_samples=2), causal, "lm")
+    assert not torch.equal(first.batches[0]["input_ids"], other.batches[0]["input_ids"])
+
+
 def test_stdin_terminal_is_refused(monkeypatch):
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -187,6 +187,28 @@ def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_pat
     assert hj["kept_heads"] == res["kept_heads"] and hj["num_kv_heads"] == res["num_kv_heads"]
 
 
+def test_calibration_text_from_a_pipe_serves_every_cut(llama_src, tmp_path):
+    """`--data -` with --compensate cuts calibration and held-out blocks from stdin (it once read
+    stdin twice and found the second read empty); with `--scores -` too, stdin cannot hold both."""
+    text = "The quick brown fox jumps over the lazy dog. " * 300
+    r = _prune(llama_src, "--data", "-", "--num-heads", "2", "--compensate", "--max-samples", "4", "--seq-len", "16",
+               "--heldout-samples", "2", "-o", tmp_path / "a", "--json", input=text)
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["options"]["calibration_data"]["source"] == "-"
+    # a real pipe, the way a shell runs it
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "headtool", "convert-gqa", str(llama_src), "--kv-heads", "1", "--merge", "fit", "--data", "-",
+                        "--max-samples", "4", "--seq-len", "16", "-o", str(tmp_path / "b")],
+                       input=text, text=True, capture_output=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = runner.invoke(app, ["score", str(llama_src), "--method", "magnitude"]).stdout
+    r = _prune(llama_src, "--scores", "-", "--data", "-", "--num-heads", "2", "--compensate", "-o", tmp_path / "c",
+               input=doc)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "both read stdin" in lines[0], r.stderr
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("heads", ["0:0,2;2:1,3", "0:0,0:2,2:1,2:3"], ids=["prune-form", "pair-form"])
 def test_heads_in_either_form_remove_the_same_heads(llama_src, tmp_path, heads):
     r = _prune(llama_src, "--heads", heads, "-o", tmp_path / "x", "--dry-run", "--json")

@@ -153,6 +153,12 @@ def is_auto(source: Any) -> bool:
     return isinstance(source, str) and source.strip().lower() == AUTO_SOURCE
 
 
+def reads_stdin(source) -> bool:
+    """Whether a --data value (a source string, a DataSpec or None) reads stdin, alone or in a mixture."""
+    text = getattr(source, "source", source)
+    return isinstance(text, str) and any(part.source == "-" for part in parse_sources(text))
+
+
 def parse_sources(source: str) -> list[SourcePart]:
     """The parts of a ``--data`` string (one part unless it is a mixture; grammar above)."""
     if not isinstance(source, str) or not source.strip():
@@ -291,19 +297,30 @@ def _read_text_file(path: Path) -> str:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+#: (the stdin object, all it held): a command reads `--data -` more than once (calibration, held-out
+#: and evaluation blocks are cut from it separately) but a pipe gives its text only once. Keyed by
+#: the object, so a new stdin (each CliRunner invocation) is read afresh.
+_STDIN_READ: tuple[object, str] | None = None
+
+
 def _read_stdin() -> str:
+    global _STDIN_READ
     stdin = sys.stdin
     if stdin is None:
         raise UsageError("--data - reads text from stdin, but there is no stdin")
+    if _STDIN_READ is not None and _STDIN_READ[0] is stdin:
+        return _STDIN_READ[1]
     try:
         if stdin.isatty():
             raise UsageError("--data - reads text from stdin, but stdin is a terminal; pipe text in")
     except (AttributeError, ValueError):
         pass
     try:
-        return stdin.read()
+        text = stdin.read()
     except UnicodeDecodeError:
         raise UsageError("cannot read stdin as UTF-8 text; convert it to UTF-8") from None
+    _STDIN_READ = (stdin, text)
+    return text
 
 
 def _read_jsonl(text: str, where: str) -> list:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..console import info
 from ..data.batches import make_batches, resolve_auto
-from ..data.sources import DataSpec, is_auto
+from ..data.sources import DataSpec, is_auto, reads_stdin
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
 from ..io.sizes import parse_size
@@ -54,6 +54,9 @@ def run_prune(req: PruneRequest) -> PruneRun:
         raise UsageError("say which heads to remove: --scores FILE|-, --heads LIST, or --data D to score now")
     if req.heads is not None and any(v is not None for v in (req.fraction, req.num_heads, req.threshold)):
         raise UsageError("--heads lists the heads to remove; it takes no --fraction/--num-heads/--threshold")
+    if req.scores == "-" and any(reads_stdin(d) for d in (req.data, req.eval_data, req.heldout_data)):
+        raise UsageError("--scores - and --data - (or --eval-data / --heldout-data -) both read stdin, which "
+                         "holds one of them: give the other as a file")
     if req.compensate and req.data is None:
         raise UsageError("--compensate needs calibration data: pass --data")
     if not req.dry_run and not req.output:
