@@ -160,9 +160,7 @@ def load_model(
                          f"({str(e).splitlines()[0]})") from e
     except OSError as e:
         raise UsageError(f"{ref}: cannot load weights: {str(e).splitlines()[0]}") from e
-    except ImportError as e:  # a package the checkpoint needs (its quantization, its remote code)
-        raise UsageError(f"{ref}: cannot load the model: {str(e).splitlines()[0]}") from e
-    except (ValueError, RuntimeError, KeyError) as e:
+    except (ValueError, RuntimeError, KeyError, ImportError) as e:  # ImportError: a package the checkpoint needs
         raise UsageError(f"{ref}: cannot load the model: {str(e).splitlines()[0]}") from e
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -67,10 +67,11 @@ def run_prune(req: PruneRequest) -> PruneRun:
         if not given or req.compensate or req.eval_data or req.dry_run:
             raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
                              "--compensate, --eval-data or --dry-run")
+        target_for = None if req.heads is not None else lambda num_layers: prune_target(req, num_layers)
         written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
-                                             target_for=None if req.heads is not None else
-                                             lambda n: prune_target(req, n), min_heads=req.min_heads_per_layer, overwrite=req.overwrite,
-                                             shard_size=req.shard_size, trust_remote_code=req.load.trust_remote_code)
+                                             target_for=target_for, min_heads=req.min_heads_per_layer,
+                                             overwrite=req.overwrite, shard_size=req.shard_size,
+                                             trust_remote_code=req.load.trust_remote_code)
         return PruneRun(streamed=written)
     load, calib_device = sequential_placement(req.load, req.sequential)
     lm = load_model(req.model, rewrites=None if req.dry_run else "prune", **load.kwargs())
