@@ -133,6 +133,32 @@ def test_eager_attention_is_exact_too():
         assert (logits_of(conv.model, ids) - logits_of(model, ids)).abs().max().item() <= 1e-4
 
 
+_DROPOUT = {"gpt2": dict(attn_pdrop=0.2, resid_pdrop=0.2), "opt": dict(attention_dropout=0.2, dropout=0.2)}
+
+
+@pytest.mark.parametrize("family", LATENT_FAMILIES)
+def test_training_mode_drops_out_as_the_original(family):
+    """heal trains in train mode: at full rank the latent model with the same random state drops
+    out the same attention weights (and GPT-2's attention output) as the original, so a heal of a
+    latent student regularizes as the source model did (it trained without either before)."""
+    model = tiny_model(family, attn_implementation="eager", **_DROPOUT.get(family, dict(attention_dropout=0.2)))
+    ids = sample_ids(family, seed=3)
+    rank, rope = _full(model)
+    conv = L.convert_model_latent(model, adapter_for(model.config), rank, rope_dim=rope, grams=_grams(model, family))
+    _absorb(conv.model, False)
+
+    def trained(m, seed: int) -> torch.Tensor:
+        m.train()
+        torch.manual_seed(seed)
+        try:
+            return logits_of(m, ids)
+        finally:
+            m.eval()
+    ref = trained(model, 5)
+    assert (trained(model, 6) - ref).abs().max().item() > 1e-3  # dropout is on: another seed differs
+    assert (trained(conv.model, 5) - ref).abs().max().item() <= 1e-4
+
+
 def test_rorope_rotations_alone_change_no_logits():
     """With every rotary slot kept, the per-plane unitary mixes are a change of basis of the keys:
     the tensors differ from the unmixed conversion, the logits do not."""

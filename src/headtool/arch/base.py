@@ -129,6 +129,11 @@ class Adapter:
     # attention_extras names, no qk-norm, called by the decoder layer with the hidden states, the
     # mask, (cos, sin) if rotary and the cache as `cache`, `past_key_values` or `layer_past`)
     latent: bool = False
+    # dropout inside the attention module (used by heal, which trains in train mode): the
+    # attention-weight dropout (a float or an nn.Dropout attribute) and, where the module drops out
+    # its own output (GPT-2's resid_dropout), that one; latent attention rebuilds both
+    attention_dropout_attr: str = "attention_dropout"
+    output_dropout_attr: str | None = None
 
     # ---------------------------------------------------------------- geometry
     def num_layers(self, config) -> int:
@@ -225,10 +230,18 @@ class Adapter:
 
     def attention_extras(self, model: nn.Module, i: int) -> dict[str, Any]:
         """What layer i's attention passes to the attention function besides q, k, v and the mask:
-        `softcap` (Gemma 2's tanh capping of the scores) and `sliding_window` (None: global)."""
+        `softcap` (Gemma 2's tanh capping of the scores), `sliding_window` (None: global), and the
+        dropout probabilities in training, `dropout` (attention weights) and `output_dropout`
+        (the module's own output, 0.0 where the decoder layer drops it out instead)."""
         attn = self.attention_module(model, i)
+
+        def probability(attr: str | None) -> float:
+            value = getattr(attn, attr, 0.0) if attr else 0.0
+            return float(value.p if isinstance(value, nn.Dropout) else value or 0.0)
         return {"softcap": getattr(attn, "attn_logit_softcapping", None),
-                "sliding_window": getattr(attn, "sliding_window", None)}
+                "sliding_window": getattr(attn, "sliding_window", None),
+                "dropout": probability(self.attention_dropout_attr),
+                "output_dropout": probability(self.output_dropout_attr)}
 
     def rotary_inv_freq(self, model: nn.Module) -> torch.Tensor:
         """The rotary frequencies (radians per token) of the planes, as the model computes them [r/2]."""

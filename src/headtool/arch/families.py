@@ -72,6 +72,8 @@ GPT2 = Adapter(
     # c_attn's output is split in chunks of split_size (q, k, v)
     resize_attrs=(("attn.num_heads", "num_heads"), ("attn.split_size", "q_width")),
     latent=True,  # learned positions: no rotary key, all of K and V in the latent
+    attention_dropout_attr="attn_dropout",
+    output_dropout_attr="resid_dropout",
 )
 
 GPT_NEOX = Adapter(
@@ -99,6 +101,7 @@ OPT = Adapter(
     support=ConfigSupport(kv_heads=False, explicit_head_dim=False, heads_need_not_divide_hidden=False),
     resize_attrs=(("self_attn.num_heads", "num_heads"),),
     latent=True,  # learned positions: no rotary key, all of K and V in the latent
+    attention_dropout_attr="dropout",
 )
 
 LLAMA = _llama_like("llama", ("llama",), divides=False, latent=True)

@@ -572,6 +572,8 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
         "kv_bias": v_bias if normed else kv_bias, "o_bias": o_bias, "absorb": absorb,
         "qk_norm": normed, "factored_query": True,
         "softcap": softcap.pop(), "sliding_window": [e["sliding_window"] for e in extras],
+        "attention_dropout": per_layer([e["dropout"] for e in extras]),
+        "output_dropout": per_layer([e["output_dropout"] for e in extras]),
         "source_num_kv_heads": per_layer([x.num_kv_heads for x in geometry]),
     }
     model = copy.deepcopy(original)

@@ -33,9 +33,10 @@ def _get(obj, key, default=None):
     return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
 
 
-def _of_layer(spec, key: str, layer_idx: int):
-    """A table entry that is one value for all layers or a list with one per layer."""
-    value = spec[key]
+def _of_layer(spec, key: str, layer_idx: int, default=None):
+    """A table entry that is one value for all layers or a list with one per layer (`default`
+    where the table has no such entry: folders written before it)."""
+    value = spec[key] if default is None or key in spec else default
     return value[layer_idx] if isinstance(value, (list, tuple)) else value
 
 
@@ -105,7 +106,10 @@ class LatentAttention(nn.Module):
         self.scaling = float(_of_layer(spec, "scaling", layer_idx))  # GPT-2 can scale by 1 / layer
         self.absorb = spec.get("absorb", "auto")
         self.is_causal = True
-        self.attention_dropout = 0.0
+        # dropout in training as the attention it replaces: on the attention weights and, where that
+        # module dropped out its own output (GPT-2), after the output projection
+        self.attention_dropout = float(_of_layer(spec, "attention_dropout", layer_idx, 0.0))
+        self.output_dropout = nn.Dropout(float(_of_layer(spec, "output_dropout", layer_idx, 0.0)))
         self.num_key_value_groups = 1  # set per call: 1 (plain) or num_heads (absorbed: one latent head)
         # passed on to the attention function as the family's attention does (the mask already
         # limits a sliding layer; flash kernels read the window from here)
@@ -275,7 +279,8 @@ class LatentAttention(nn.Module):
                 out, weights = interface(self, query, key, latent, attention_mask, dropout=dropout,
                                          scaling=self.scaling, **kwargs)
             if folded is not None:  # the value up-projection is folded into the output projection
-                return nn.functional.linear(out.reshape(b, t, h * rank), folded[2], self.o_proj.bias), weights
+                return self.output_dropout(nn.functional.linear(out.reshape(b, t, h * rank), folded[2],
+                                                                self.o_proj.bias)), weights
             out = torch.einsum("bthr,hvr->bthv", out, w[:, nope:])  # value up-projection, after attention
         else:
             total = latent.shape[2]
@@ -294,7 +299,7 @@ class LatentAttention(nn.Module):
             if pad > 0:
                 out = out[..., :vd]
         out = out.reshape(b, t, h * vd).contiguous()
-        return self.o_proj(out), weights
+        return self.output_dropout(self.o_proj(out)), weights
 
 
 def _base_model(model):
