@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cross_domain, run as a script
 
-from bench_cross_domain import evaluation_sets, perplexities  # noqa: E402
+from bench_cross_domain import IN_DOMAIN, evaluation_sets, perplexities  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
 from headtool.data.sources import DataSpec  # noqa: E402
@@ -63,18 +63,24 @@ def _fmt(v: float) -> str:
 
 def render(doc: dict) -> str:
     """Markdown: perplexity (ratio) per evaluation set, cache per token, parameters, prefill and decode
-    tokens/s (ratio)."""
+    tokens/s (ratio) when the run timed them, and a calibration column when it had several."""
     order = doc["order"]
     labels = [doc["domains"][n].get("label", n) for n in order]
     ctx = doc["settings"]["context"]
     with_params = all("params" in r for r in doc["rows"])
-    head = ["change", "kv_rank + rope_dim per layer", *labels, "KV cache / token",
-            *(["parameters"] if with_params else []), f"prefill tok/s @ {ctx}", f"decode tok/s @ {ctx}"]
-    lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
+    several = len(doc["settings"].get("calibrations", [])) > 1  # then a calibration column
+    timed = any(r.get("speed") for r in doc["rows"])  # a run with --no-speed has no speed columns
+    head = ["change", *(["calibration"] if several else []), "kv_rank + rope_dim per layer", *labels,
+            "KV cache / token", *(["parameters"] if with_params else []),
+            *([f"prefill tok/s @ {ctx}", f"decode tok/s @ {ctx}"] if timed else [])]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + (" --- |" if several else "")
+             + " ---: |" * (len(head) - 2 - several)]
     base_bytes = doc["rows"][0]["kv_cache_bytes_per_token"]
     base_params = doc["rows"][0].get("params")
     for r in doc["rows"]:
-        cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)" for n in order]
+        # a set the row was calibrated on (domain-matched calibration) is in-domain for it: marked
+        cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)"
+                 + (", calibrated on it" if r.get("calibration") == n else "") for n in order]
         ranks = r.get("kv_rank")
         rank = "-" if ranks is None else (str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)}")
         if ranks is not None and r.get("rope_dim") is not None:
@@ -86,11 +92,12 @@ def render(doc: dict) -> str:
             v = speed.get(key)
             return "-" if v is None else f"{v:.2f} ({ratios[key]:.2f}x)" if ratios.get(key) else f"{v:.2f}"
         params = ([f"{r['params'] / 1e6:.2f}M ({r['params'] / base_params:.3f}x)"] if with_params else [])
-        lines.append("| " + " | ".join([r["change"], rank, *cells,
+        calibration = [f"`{r.get('calibration', '-')}`" if r.get("calibration") else "-"] if several else []
+        lines.append("| " + " | ".join([r["change"], *calibration, rank, *cells,
                                           f"{r['kv_cache_bytes_per_token']:,} B "
                                           f"({r['kv_cache_bytes_per_token'] / base_bytes:.3f}x)",
-                                          *params, rate("prefill_tokens_per_s"),
-                                          rate("decode_tokens_per_s")]) + " |")
+                                          *params, *([rate("prefill_tokens_per_s"),
+                                                      rate("decode_tokens_per_s")] if timed else [])]) + " |")
     lines += ["", f"`{doc['command']}`"]
     return "\n".join(lines)
 
@@ -98,7 +105,10 @@ def render(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=MODEL, help="the model (a tiny local folder for a smoke run)")
-    ap.add_argument("--calibration", default="builtin:pydoc+self", help="calibration --data source")
+    ap.add_argument("--calibration", default="builtin:pydoc+self",
+                    help="calibration --data source; several, comma-separated, each run on every row; an evaluation "
+                         "set's name (news, legal) calibrates on that set's own text after its evaluation blocks "
+                         "(domain-matched: that column is then in-domain, marked in the table)")
     ap.add_argument("--budgets", default="1/3,1/8",
                     help="comma list of FRACTION[:ROPE_DIM]: --kv-cache and --rope-dim of the convert-mla rows "
                          "(without :ROPE_DIM, the default of convert-mla)")
@@ -136,11 +146,19 @@ def main(argv: list[str] | None = None) -> None:
     tok = lm.tokenizer
     domains, evals = evaluation_sets(tok, seq_len=a.seq_len, batch_size=a.batch_size, n_eval=a.eval,
                                      used=a.cal + a.held, min_blocks=a.min_blocks, log=log)
-    spec = DataSpec(source=a.calibration, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
+    calibrations = [x.strip() for x in a.calibration.split(",") if x.strip()]
+
+    def calibration_spec(name: str) -> DataSpec:
+        """`name`'s blocks; an evaluation set's own text starts after the blocks it is evaluated on."""
+        own = domains.get(name) if name != IN_DOMAIN else None
+        return DataSpec(source=own["source"] if own else name, seq_len=a.seq_len, batch_size=a.batch_size,
+                        max_samples=a.cal, seed=0, skip_samples=a.eval if own else 0)
+
     doc: dict = {"model": a.model, "dtype": "float32", "command": command,
                  "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                               "transformers": transformers.__version__},
-                 "settings": {"calibration": a.calibration, "budgets": [[s, r] for _, s, r in budgets],
+                 "settings": {"calibration": a.calibration, "calibrations": calibrations,
+                              "budgets": [[s, r] for _, s, r in budgets],
                               "allocations": allocations, "gqa": a.gqa, "cal": a.cal, "held": a.held,
                               "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
                               "context": a.context, "new_tokens": a.new_tokens, "repeats": a.repeats,
@@ -175,23 +193,26 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{row['change']:<40} {cells}  cache {row['kv_cache_bytes_per_token']:,} B")
 
     add({"change": "none (original)", "kind": "original"}, lm.model)
-    for fraction, spelled, rope in budgets:
-        for alloc in allocations:
+    for calibration in calibrations:
+        spec = calibration_spec(calibration)
+        for fraction, spelled, rope in budgets:
+            for alloc in allocations:
+                t0 = time.perf_counter()
+                req = LatentRequest(model=a.model, kv_cache=fraction, rope_dim=rope, rank_allocation=alloc,
+                                    data=spec, heldout_samples=a.held)
+                done = convert_mla_loaded(lm, req, text_model=lm)
+                s = done.summary
+                add({"change": f"convert-mla, {spelled} of the cache, {alloc}", "kind": "mla", "kv_cache": fraction,
+                     "calibration": calibration, "rank_allocation": alloc, "rope_dim": s["rope_dim"],
+                     "kv_rank": s["kv_rank"], "refits_kept": sum(bool(r["kept"]) for r in s["refit"] or []),
+                     "surgery_seconds": round(time.perf_counter() - t0, 1)}, done.conv.model)
+        if a.gqa:
             t0 = time.perf_counter()
-            req = LatentRequest(model=a.model, kv_cache=fraction, rope_dim=rope, rank_allocation=alloc, data=spec,
-                                heldout_samples=a.held)
-            done = convert_mla_loaded(lm, req, text_model=lm)
-            s = done.summary
-            add({"change": f"convert-mla, {spelled} of the cache, {alloc}", "kind": "mla", "kv_cache": fraction,
-                 "rank_allocation": alloc, "rope_dim": s["rope_dim"], "kv_rank": s["kv_rank"],
-                 "refits_kept": sum(bool(r["kept"]) for r in s["refit"] or []),
-                 "surgery_seconds": round(time.perf_counter() - t0, 1)}, done.conv.model)
-    if a.gqa:
-        t0 = time.perf_counter()
-        req = ConvertRequest(model=a.model, kv_heads=1, merge=a.gqa, data=spec, heldout_samples=a.held)
-        conv = convert_loaded(lm, req, text_model=lm)
-        add({"change": f"convert-gqa --kv-heads 1, merge {a.gqa}", "kind": "gqa", "method": a.gqa,
-             "surgery_seconds": round(time.perf_counter() - t0, 1)}, conv.best.model)
+            req = ConvertRequest(model=a.model, kv_heads=1, merge=a.gqa, data=spec, heldout_samples=a.held)
+            conv = convert_loaded(lm, req, text_model=lm)
+            add({"change": f"convert-gqa --kv-heads 1, merge {a.gqa}", "kind": "gqa", "method": a.gqa,
+                 "calibration": calibration, "surgery_seconds": round(time.perf_counter() - t0, 1)},
+                conv.best.model)
     if not a.no_speed:
         sspec = SpeedSpec(batch=1, context=a.context, new_tokens=a.new_tokens, repeats=a.repeats, warmup=a.warmup)
         ids = speed_input_ids(tok, sspec)

@@ -39,3 +39,29 @@ def test_the_mla_section_renders_a_bench_mla_document():
     text = render_results.mla_section(doc)
     assert "| convert-mla, 1/3 of the cache, auto | 3..5 | 60.00 (1.50x) | 100 B (0.333x) | - |" in text
     assert "10.00 (1.00x)" in text and "### Latent attention" in text
+
+
+def test_calibrations_render_a_column_and_mark_the_domain_matched_cell():
+    """bench_mla with several --calibration sources: a calibration column, and the evaluation set a
+    row was calibrated on is marked (it is in-domain for that row)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+
+    def ev(news: float, legal: float) -> dict:
+        return {"news": {"perplexity": 40.0 * news, "ratio": news}, "legal": {"perplexity": 20.0 * legal, "ratio": legal}}
+    doc = {"command": "python benchmarks/bench_mla.py --calibration builtin:pydoc,news", "order": ["news", "legal"],
+           "domains": {"news": {"label": "news"}, "legal": {"label": "legal"}},
+           "settings": {"cal": 2, "seq_len": 32, "calibration": "builtin:pydoc,news", "held": 1, "context": 64,
+                        "calibrations": ["builtin:pydoc", "news"], "budgets": [["1/3", None]]},
+           "rows": [{"change": "none (original)", "eval": ev(1.0, 1.0), "kv_cache_bytes_per_token": 300},
+                    {"change": "convert-mla, 1/3 of the cache, uniform", "calibration": "builtin:pydoc",
+                     "kv_rank": [4, 4], "rope_dim": 2, "eval": ev(2.0, 3.0), "kv_cache_bytes_per_token": 100},
+                    {"change": "convert-mla, 1/3 of the cache, uniform", "calibration": "news",
+                     "kv_rank": [4, 4], "rope_dim": 2, "eval": ev(1.5, 4.0), "kv_cache_bytes_per_token": 100}]}
+    text = render_results.mla_calibration_section(doc)
+    assert "| change | calibration | kv_rank + rope_dim per layer | news | legal |" in text
+    assert "| --- | --- | --- | ---: |" in text
+    assert "| convert-mla, 1/3 of the cache, uniform | `builtin:pydoc` | 4 + 2 | 80.00 (2.00x) | 60.00 (3.00x) |" in text
+    assert "| convert-mla, 1/3 of the cache, uniform | `news` | 4 + 2 | 60.00 (1.50x), calibrated on it | 80.00 (4.00x) |" \
+        in text
+    assert "| none (original) | - | - | 40.00 (1.00x) |" in text and "at 1/3 of the cache" in text and "(marked)" in text
