@@ -5,7 +5,9 @@ the cache, the MQA budget of a 3-KV-head model, and an eighth), each with --rank
 uniform and auto; and `convert-gqa --kv-heads 1 --merge fit` (a third of the cache). Every row runs
 the workflow function its command runs (`convert_mla_loaded`, `convert_loaded`) on the same
 calibration blocks (--cal blocks of --calibration, default `builtin:pydoc+self`; --held more of
-it for the refit checks) and is evaluated on the evaluation sets of bench_cross_domain.py (news,
+it for the refit checks; several calibrations, comma-separated, repeat the rows for each, and an
+evaluation set's name, alone or in a mixture such as `news+builtin:pydoc+self`, calibrates on that
+set's own text after its evaluated blocks: domain-matched) and is evaluated on the evaluation sets of bench_cross_domain.py (news,
 legal: text no calibration saw; in-domain pydoc last, which flatters). Reported per row:
 perplexity (ratio to the original) per set, KV-cache bytes per token (as computed from the
 model: latent + rotary key, or K and V heads), and decode tokens/s with a --context token
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cross_domain, 
 from bench_cross_domain import IN_DOMAIN, evaluation_sets, perplexities  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
-from headtool.data.sources import DataSpec  # noqa: E402
+from headtool.data.batches import mixture_schedule  # noqa: E402
+from headtool.data.sources import DataSpec, parse_sources  # noqa: E402
 from headtool.measure.speed import SpeedSpec, measure_models, speed_input_ids  # noqa: E402
 from headtool.model.info import model_info  # noqa: E402
 from headtool.model.loading import load_model  # noqa: E402
@@ -80,7 +83,8 @@ def render(doc: dict) -> str:
     for r in doc["rows"]:
         # a set the row was calibrated on (domain-matched calibration) is in-domain for it: marked
         cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)"
-                 + (", calibrated on it" if r.get("calibration") == n else "") for n in order]
+                 + (", calibrated on it" if n in r.get("calibrated_on", [r.get("calibration")]) else "")
+                 for n in order]
         ranks = r.get("kv_rank")
         rank = "-" if ranks is None else (str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)}")
         if ranks is not None and r.get("rope_dim") is not None:
@@ -148,11 +152,24 @@ def main(argv: list[str] | None = None) -> None:
                                      used=a.cal + a.held, min_blocks=a.min_blocks, log=log)
     calibrations = [x.strip() for x in a.calibration.split(",") if x.strip()]
 
-    def calibration_spec(name: str) -> DataSpec:
-        """`name`'s blocks; an evaluation set's own text starts after the blocks it is evaluated on."""
-        own = domains.get(name) if name != IN_DOMAIN else None
-        return DataSpec(source=own["source"] if own else name, seq_len=a.seq_len, batch_size=a.batch_size,
-                        max_samples=a.cal, seed=0, skip_samples=a.eval if own else 0)
+    def calibration_spec(name: str) -> tuple[DataSpec, list[str]]:
+        """`name`'s blocks and the evaluation sets it calibrates on: an evaluation set's own text,
+        alone or in a mixture, starts after the blocks it is evaluated on (the mixture skips as many
+        of its first blocks as that takes, every part skipping its share)."""
+        parts = parse_sources(name)
+        own = [p.source for p in parts if p.source in domains and p.source != IN_DOMAIN]
+        source = "+".join((domains[p.source]["source"] if p.source in own else p.source)
+                          + ("" if p.weight == 1 else f"*{float(p.weight):g}") for p in parts)
+        skip = 0
+        if own:
+            weights, counts = [p.weight for p in parts], [0] * len(parts)
+            while any(counts[i] < a.eval for i, p in enumerate(parts) if p.source in own):
+                skip += 1
+                counts = [0] * len(parts)
+                for i in mixture_schedule(weights, skip):
+                    counts[i] += 1
+        return DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0,
+                        skip_samples=skip), own
 
     doc: dict = {"model": a.model, "dtype": "float32", "command": command,
                  "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 
     add({"change": "none (original)", "kind": "original"}, lm.model)
     for calibration in calibrations:
-        spec = calibration_spec(calibration)
+        spec, calibrated_on = calibration_spec(calibration)
         for fraction, spelled, rope in budgets:
             for alloc in allocations:
                 t0 = time.perf_counter()
@@ -203,16 +220,17 @@ def main(argv: list[str] | None = None) -> None:
                 done = convert_mla_loaded(lm, req, text_model=lm)
                 s = done.summary
                 add({"change": f"convert-mla, {spelled} of the cache, {alloc}", "kind": "mla", "kv_cache": fraction,
-                     "calibration": calibration, "rank_allocation": alloc, "rope_dim": s["rope_dim"],
-                     "kv_rank": s["kv_rank"], "refits_kept": sum(bool(r["kept"]) for r in s["refit"] or []),
+                     "calibration": calibration, "calibrated_on": calibrated_on, "rank_allocation": alloc,
+                     "rope_dim": s["rope_dim"], "kv_rank": s["kv_rank"],
+                     "refits_kept": sum(bool(r["kept"]) for r in s["refit"] or []),
                      "surgery_seconds": round(time.perf_counter() - t0, 1)}, done.conv.model)
         if a.gqa:
             t0 = time.perf_counter()
             req = ConvertRequest(model=a.model, kv_heads=1, merge=a.gqa, data=spec, heldout_samples=a.held)
             conv = convert_loaded(lm, req, text_model=lm)
             add({"change": f"convert-gqa --kv-heads 1, merge {a.gqa}", "kind": "gqa", "method": a.gqa,
-                 "calibration": calibration, "surgery_seconds": round(time.perf_counter() - t0, 1)},
-                conv.best.model)
+                 "calibration": calibration, "calibrated_on": calibrated_on,
+                 "surgery_seconds": round(time.perf_counter() - t0, 1)}, conv.best.model)
     if not a.no_speed:
         sspec = SpeedSpec(batch=1, context=a.context, new_tokens=a.new_tokens, repeats=a.repeats, warmup=a.warmup)
         ids = speed_input_ids(tok, sspec)

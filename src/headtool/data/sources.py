@@ -87,7 +87,7 @@ SOURCE_HELP = ("text source: .txt/.jsonl/.json/.csv/.parquet file, save_to_disk 
                "'-' for stdin, builtin:pydoc, builtin:licenses, self or self:N (text sampled from the model "
                "itself), a weighted mixture SOURCE*W+SOURCE*W, or auto: builtin:pydoc+self on a causal LM "
                "(the calibration that held up best on text it never saw: README, Results), builtin:pydoc on "
-               "other models")
+               "other models; to calibrate for known use, mix its text in: notes.txt+builtin:pydoc+self")
 AUTO_SOURCE = "auto"
 #: what `auto` reads: on a model that can sample its own text, and on any other
 AUTO_SAMPLING, AUTO_OTHER = "builtin:pydoc+self", "builtin:pydoc"
