@@ -15,7 +15,9 @@ does; the recipe's score -> prune steps pass the scores in memory the same way) 
 A row's seconds are its surgery and its evaluation on every domain; making the calibration text
 (for `self`: generating it the first time) and the gradient scores happen once per calibration
 and are reported apart.
-Calibration: DataSpec(source=CAL_SOURCE, max_samples=--cal, seed=0), held-out refit checks
+Calibration: DataSpec(source=CAL_SOURCE, max_samples=--cal, seed=0) (an evaluation set's name in
+CAL_SOURCE, alone or mixed, is that set's own text after its evaluated blocks: `calibration_spec`,
+a domain-matched calibration whose cell the table marks), held-out refit checks
 of `fit` / the merge choice: the next --held blocks of the same source (`--heldout-samples`);
 prune uses the CLI's default (no held-out check). `self` text is sampled from the unpruned
 model and cached under $HEADTOOL_CACHE/selfcal (the first run generates it).
@@ -72,8 +74,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_clock, run as a script
 from run_clock import RunClock  # noqa: E402
 
-from headtool.data.batches import make_batches
-from headtool.data.sources import DataSpec, licence_texts
+from headtool.data.batches import make_batches, mixture_schedule
+from headtool.data.sources import DataSpec, licence_texts, parse_sources
 from headtool.measure.evaluation import evaluate
 from headtool.model.loading import load_model, model_from_object
 from headtool.model.refs import cache_dir
@@ -206,6 +208,30 @@ def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: in
     return domains, evals
 
 
+def calibration_spec(name: str, domains: dict[str, dict], *, blocks: int, evaluated: int, seq_len: int,
+                     batch_size: int) -> tuple[DataSpec, list[str]]:
+    """The calibration `name` (a --data source) and the evaluation sets it calibrates on. An
+    evaluation set's name, alone or in a mixture (`news+builtin:pydoc+self`), stands for that set's
+    own text after the `evaluated` blocks it is evaluated on: the cut skips as many of its first
+    blocks as that takes (in a mixture every part skips its share), so calibration and evaluation
+    stay disjoint while the calibration is domain-matched."""
+    parts = parse_sources(name)
+    own = [p.source for p in parts if p.source in domains and p.source != IN_DOMAIN]
+    source = "+".join((domains[p.source]["source"] if p.source in own else p.source)
+                      + ("" if p.weight == 1 else f"*{float(p.weight):g}") for p in parts)
+    skip = 0
+    if own:
+        weights = [p.weight for p in parts]
+
+        def short(n: int) -> bool:  # a matched part has fewer than `evaluated` blocks in the first n
+            order = mixture_schedule(weights, n)
+            return any(order.count(i) < evaluated for i, p in enumerate(parts) if p.source in own)
+        while short(skip):
+            skip += 1
+    return DataSpec(source=source, seq_len=seq_len, batch_size=batch_size, max_samples=blocks, seed=0,
+                    skip_samples=skip), own
+
+
 def perplexities(model, evals: dict[str, list]) -> tuple[dict, float]:
     """Loss and perplexity of `model` on every evaluation set, and the seconds it took."""
     t0 = time.perf_counter()
@@ -230,7 +256,9 @@ def _fmt(v: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrations", default=",".join(CALIBRATIONS),
-                    help="comma list of calibration --data sources (mixtures allowed)")
+                    help="comma list of calibration --data sources (mixtures allowed); an evaluation set's name "
+                         "(news, legal), alone or in a mixture, is that set's own text after its evaluated blocks "
+                         "(domain-matched: the table marks the cell)")
     ap.add_argument("--fractions", default="0.1,0.25,0.5", help="fractions of query heads removed")
     ap.add_argument("--scores", default="gradient", help="comma list of score methods for the prune rows")
     ap.add_argument("--ablation-for", default="",
@@ -323,12 +351,14 @@ def main() -> None:
          "eval_seconds": round(eval_s, 1), "seconds": round(time.perf_counter() - t0, 1)})
 
     for cal_source in calibrations:
-        spec = DataSpec(source=cal_source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
+        spec, calibrated_on = calibration_spec(cal_source, domains, blocks=a.cal, evaluated=a.eval,
+                                               seq_len=a.seq_len, batch_size=a.batch_size)
         # the calibration and held-out blocks, made (and for self: generated and cached) up front so
         # that generation time is not charged to the first row; the rows read the same blocks again
         t0 = time.perf_counter()
         cal_b = make_batches(spec, tok, "plain", model=lm)
-        held_b = make_batches(replace(spec, skip_samples=a.cal, max_samples=a.held), tok, "plain", model=lm)
+        held_b = make_batches(replace(spec, skip_samples=spec.skip_samples + a.cal, max_samples=a.held), tok, "plain",
+                              model=lm)
         data_s = time.perf_counter() - t0
         cal_blocks = _block_set(cal_b.batches) | _block_set(held_b.batches)
         overlap = {name: len(cal_blocks & _block_set(b)) for name, b in evals.items()}
@@ -361,7 +391,8 @@ def main() -> None:
             ev, eval_s = ppl_all(model)
             s = done.result.summary()
             add({"change": f"{fraction:.0%} of query heads removed", "kind": "prune", "fraction": fraction,
-                 "calibration": cal_source, "scores": method, "heads_removed": s["heads_removed"],
+                 "calibration": cal_source, "calibrated_on": calibrated_on, "scores": method,
+                 "heads_removed": s["heads_removed"],
                  "compensate": compensate, "anchor": anchor if compensate else None, "heldout_data": heldout,
                  "protect_layers": protect, "removed_per_layer": [len(r) for r in done.result.selection.removed(
                      done.result.geometry_before)],
@@ -381,6 +412,7 @@ def main() -> None:
             after = summary_figures(conv.best.model, lm.adapter)
             add({"change": f"3 -> 1 KV heads, merge {method}", "kind": "convert", "method": method,
                  "calibration": None if method in DATA_FREE_MERGES else cal_source,
+                 "calibrated_on": [] if method in DATA_FREE_MERGES else calibrated_on,
                  "anchor": anchor if method == "fit" else None, "heldout_data": heldout, "refit": conv.best.refit,
                  "heldout_loss": conv.results[0].get("heldout_loss"), "kv_heads_after": 1,
                  "params_after": after["params"], "eval": ev, "surgery_seconds": round(conv_s, 1),
@@ -416,7 +448,8 @@ def render(doc: dict) -> str:
         for n in names:
             e = r["eval"][n]
             cells.append(_fmt(e["perplexity"]) if r["kind"] == "unpruned" else
-                         f"{_fmt(e['perplexity'])} ({e['ratio']:.2f}x)")
+                         f"{_fmt(e['perplexity'])} ({e['ratio']:.2f}x)"
+                         + (", calibrated on it" if n in r.get("calibrated_on", ()) else ""))
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"

@@ -34,11 +34,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cross_domain, run as a script
 
-from bench_cross_domain import IN_DOMAIN, evaluation_sets, perplexities  # noqa: E402
+from bench_cross_domain import calibration_spec, evaluation_sets, perplexities  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
-from headtool.data.batches import mixture_schedule  # noqa: E402
-from headtool.data.sources import DataSpec, parse_sources  # noqa: E402
 from headtool.measure.speed import SpeedSpec, measure_models, speed_input_ids  # noqa: E402
 from headtool.model.info import model_info  # noqa: E402
 from headtool.model.loading import load_model  # noqa: E402
@@ -152,25 +150,6 @@ def main(argv: list[str] | None = None) -> None:
                                      used=a.cal + a.held, min_blocks=a.min_blocks, log=log)
     calibrations = [x.strip() for x in a.calibration.split(",") if x.strip()]
 
-    def calibration_spec(name: str) -> tuple[DataSpec, list[str]]:
-        """`name`'s blocks and the evaluation sets it calibrates on: an evaluation set's own text,
-        alone or in a mixture, starts after the blocks it is evaluated on (the mixture skips as many
-        of its first blocks as that takes, every part skipping its share)."""
-        parts = parse_sources(name)
-        own = [p.source for p in parts if p.source in domains and p.source != IN_DOMAIN]
-        source = "+".join((domains[p.source]["source"] if p.source in own else p.source)
-                          + ("" if p.weight == 1 else f"*{float(p.weight):g}") for p in parts)
-        skip = 0
-        if own:
-            weights, counts = [p.weight for p in parts], [0] * len(parts)
-            while any(counts[i] < a.eval for i, p in enumerate(parts) if p.source in own):
-                skip += 1
-                counts = [0] * len(parts)
-                for i in mixture_schedule(weights, skip):
-                    counts[i] += 1
-        return DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0,
-                        skip_samples=skip), own
-
     doc: dict = {"model": a.model, "dtype": "float32", "command": command,
                  "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                               "transformers": transformers.__version__},
@@ -211,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
 
     add({"change": "none (original)", "kind": "original"}, lm.model)
     for calibration in calibrations:
-        spec, calibrated_on = calibration_spec(calibration)
+        spec, calibrated_on = calibration_spec(calibration, domains, blocks=a.cal, evaluated=a.eval,
+                                               seq_len=a.seq_len, batch_size=a.batch_size)
         for fraction, spelled, rope in budgets:
             for alloc in allocations:
                 t0 = time.perf_counter()

@@ -59,6 +59,21 @@ def protect_section(doc: dict) -> str:
     ])
 
 
+def served_section(doc: dict) -> str:
+    from bench_cross_domain import render
+
+    return "\n".join([
+        "### Calibrating on the served text: SmolLM2-135M, heads removed, no training",
+        "",
+        "As the out-of-domain table, each calibration a mixture of `builtin:pydoc+self` with one evaluation "
+        "set's own text (the blocks after those it is evaluated on; a third of the calibration blocks): that "
+        "cell is in-domain for the row (marked), the other set still unseen. What a user who knows the text "
+        "the model will serve gains by mixing it in (`--data served.txt+builtin:pydoc+self`).",
+        "",
+        render(doc),
+    ])
+
+
 def quality_section(doc: dict) -> str:
     from bench_quality import render
 
@@ -288,6 +303,7 @@ def mla_calibration_section(doc: dict) -> str:
 
 
 SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_protect_*.json", protect_section),
+            ("cross_domain_served*.json", served_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_calibration*.json", mla_calibration_section),
             ("mla_rope_sweep*.json", mla_rope_section),

@@ -65,3 +65,25 @@ def test_calibrations_render_a_column_and_mark_the_domain_matched_cell():
     assert "| convert-mla, 1/3 of the cache, uniform | `news` | 4 + 2 | 60.00 (1.50x), calibrated on it | 80.00 (4.00x) |" \
         in text
     assert "| none (original) | - | - | 40.00 (1.00x) |" in text and "at 1/3 of the cache" in text and "(marked)" in text
+
+
+def test_the_served_text_section_marks_the_matched_domain():
+    """bench_cross_domain with a calibration that mixes in an evaluation set's own text: that set's
+    cell is in-domain for the row and says so; the other set is not marked."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+
+    def ev(news: float, legal: float) -> dict:
+        return {"news": {"perplexity": 40.0 * news, "ratio": news}, "legal": {"perplexity": 20.0 * legal, "ratio": legal}}
+    domains = {n: {"label": n, "eval": {"samples": 2, "seq_len": 32}, "blocks_available": 9} for n in ("news", "legal")}
+    doc = {"command": "python benchmarks/bench_cross_domain.py --calibrations legal+builtin:pydoc+self",
+           "order": ["news", "legal"], "domains": domains, "calibration": {},
+           "rows": [{"change": "none (unpruned)", "kind": "unpruned", "calibration": None, "eval": ev(1.0, 1.0),
+                     "seconds": 3},
+                    {"change": "25% of query heads removed", "kind": "prune", "heads_removed": 66, "compensate": True,
+                     "anchor": "1", "protect_layers": "0", "calibration": "legal+builtin:pydoc+self",
+                     "calibrated_on": ["legal"], "eval": ev(1.1, 1.05), "seconds": 50}]}
+    text = render_results.served_section(doc)
+    assert ("| 25% of query heads removed (66), gradient, `--compensate --anchor 1`, `--protect-layers 0` | "
+            "`legal+builtin:pydoc+self` | 44.00 (1.10x) | 21.00 (1.05x), calibrated on it | 50 |") in text
+    assert "### Calibrating on the served text" in text
