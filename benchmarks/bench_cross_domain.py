@@ -208,6 +208,15 @@ def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: in
     return domains, evals
 
 
+def served_source(name: str, domains: dict[str, dict]) -> tuple[str, list[str]]:
+    """A --data string with every evaluation set's name (news, legal; alone or in a mixture) replaced
+    by that set's source, and the names replaced: the sets this data is in-domain for."""
+    parts = parse_sources(name)
+    own = [p.source for p in parts if p.source in domains and p.source != IN_DOMAIN]
+    return "+".join((domains[p.source]["source"] if p.source in own else p.source)
+                    + ("" if p.weight == 1 else f"*{float(p.weight):g}") for p in parts), own
+
+
 def calibration_spec(name: str, domains: dict[str, dict], *, blocks: int, evaluated: int, seq_len: int,
                      batch_size: int) -> tuple[DataSpec, list[str]]:
     """The calibration `name` (a --data source) and the evaluation sets it calibrates on. An
@@ -216,9 +225,7 @@ def calibration_spec(name: str, domains: dict[str, dict], *, blocks: int, evalua
     blocks as that takes (in a mixture every part skips its share), so calibration and evaluation
     stay disjoint while the calibration is domain-matched."""
     parts = parse_sources(name)
-    own = [p.source for p in parts if p.source in domains and p.source != IN_DOMAIN]
-    source = "+".join((domains[p.source]["source"] if p.source in own else p.source)
-                      + ("" if p.weight == 1 else f"*{float(p.weight):g}") for p in parts)
+    source, own = served_source(name, domains)
     skip = 0
     if own:
         weights = [p.weight for p in parts]

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cross_domain import MODEL, evaluation_sets, perplexities  # noqa: E402
+from bench_cross_domain import MODEL, calibration_spec, evaluation_sets, perplexities, served_source  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
 from headtool.data.batches import make_batches  # noqa: E402
@@ -87,7 +87,8 @@ def main() -> None:
     domains, evals = evaluation_sets(tok, seq_len=a.seq_len, batch_size=a.batch_size, n_eval=a.eval, used=used,
                                      min_blocks=64, log=log)
     teacher, _ = perplexities(lm.model, evals)
-    cal = DataSpec(source=a.calibration, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=a.cal, seed=0)
+    cal, calibrated_on = calibration_spec(a.calibration, domains, blocks=a.cal, evaluated=a.eval,
+                                          seq_len=a.seq_len, batch_size=a.batch_size)
     t0 = time.perf_counter()
     if a.student == "mla":
         done = convert_mla_loaded(lm, LatentRequest(model=MODEL, kv_cache=a.kv_cache, rope_dim=a.rope_dim, data=cal,
@@ -108,7 +109,7 @@ def main() -> None:
     before, _ = perplexities(student, evals)
     log("student: " + "  ".join(f"{n} {before[n]['perplexity']:.2f}" for n in evals))
     doc = {"model": MODEL, "command": command, "student": {
-        "kind": a.student, "made_by": made_by, "seconds": round(make_s, 1),
+        "kind": a.student, "made_by": made_by, "seconds": round(make_s, 1), "calibrated_on": calibrated_on,
         **({"kv_cache": a.kv_cache, "rope_dim": a.rope_dim} if a.student == "mla" else {})},
         "domains": domains, "order": list(domains), "teacher": teacher, "before": before,
         "settings": {"max_steps": a.max_steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
@@ -118,9 +119,12 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for source in [s.strip() for s in a.heal_data.split(",") if s.strip()]:
         parts = parse_sources(source)
-        # the heal's pydoc share starts after the in-domain evaluation blocks (its held-out first)
+        # the heal's pydoc share starts after the in-domain evaluation blocks (its held-out first); an
+        # evaluation set named in the heal data (its own text: served_source) skips at least as many, so
+        # past the blocks it is evaluated on
         skip = (used + a.eval) * len(parts)
-        data = DataSpec(source=source, seq_len=a.seq_len, batch_size=a.batch_size, seed=0, skip_samples=skip)
+        text, healed_on = served_source(source, domains)
+        data = DataSpec(source=text, seq_len=a.seq_len, batch_size=a.batch_size, seed=0, skip_samples=skip)
         req = HealRequest(student=MODEL, teacher=MODEL, output="", data=data, eval_samples=a.eval_samples,
                           opts=HealOptions(train="attention", max_steps=a.max_steps))
         # the heal's own held-out blocks (heal_loaded holds out the first --eval-samples of --data)
@@ -134,7 +138,8 @@ def main() -> None:
         after, _ = perplexities(healed.model, evals)
         held_after, _ = perplexities(healed.model, held)
         info = res.to_json()
-        row = {"heal_data": source, "skip_samples": skip, "seconds": round(heal_s, 1), "steps": info.get("steps"),
+        row = {"heal_data": source, "healed_on": healed_on, "skip_samples": skip, "seconds": round(heal_s, 1),
+               "steps": info.get("steps"),
                "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
                "gap_closed": {n: gap_closed(before[n]["perplexity"], after[n]["perplexity"],
                                             teacher[n]["perplexity"]) for n in evals},
@@ -172,7 +177,8 @@ def render(doc: dict) -> str:
         cell = (f" | {h['after']['perplexity']:.2f} ({100 * h['gap_closed']:.0f}% closed; "
                 f"{h['teacher']['perplexity']:.2f} / {h['before']['perplexity']:.2f})" if h else " | -")
         lines.append(f"| `{r['heal_data']}` | " + " | ".join(
-            f"{r['after'][n]['perplexity']:.2f} ({100 * r['gap_closed'][n]:.0f}% closed)" for n in names)
+            f"{r['after'][n]['perplexity']:.2f} ({100 * r['gap_closed'][n]:.0f}% closed"
+            + ("; healed on it" if n in r.get("healed_on", ()) else "") + ")" for n in names)
             + (cell if own else "") + f" | {r['seconds']:.0f} |")
     lines += ["", f"Student: {doc['student']['made_by']}. Heal: `--train attention`, {doc['settings']['max_steps']} "
               f"steps of {doc['settings']['batch_size']} x {doc['settings']['seq_len']} tokens. Gap closed: the "

@@ -7,8 +7,9 @@ the workflow function its command runs (`convert_mla_loaded`, `convert_loaded`) 
 calibration blocks (--cal blocks of --calibration, default `builtin:pydoc+self`; --held more of
 it for the refit checks; several calibrations, comma-separated, repeat the rows for each, and an
 evaluation set's name, alone or in a mixture such as `news+builtin:pydoc+self`, calibrates on that
-set's own text after its evaluated blocks: domain-matched) and is evaluated on the evaluation sets of bench_cross_domain.py (news,
-legal: text no calibration saw; in-domain pydoc last, which flatters). Reported per row:
+set's own text after its evaluated blocks: domain-matched) and is evaluated on the evaluation
+sets of bench_cross_domain.py (news, legal: text no calibration saw unless named so; in-domain
+pydoc last, which flatters). Reported per row:
 perplexity (ratio to the original) per set, KV-cache bytes per token (as computed from the
 model: latent + rotary key, or K and V heads), and decode tokens/s with a --context token
 prompt (`measure.speed.measure_models`, the code behind `headtool eval --speed`: all rows timed

@@ -227,9 +227,10 @@ def heal_cross_domain_section(doc: dict) -> str:
     mla = doc["student"].get("kind") == "mla"
     student = (f"latent attention (convert-mla) at {Fraction(doc['student']['kv_cache']).limit_denominator(16)} "
                "of the KV cache" if mla else "3 → 1 KV heads")
+    served = any(r.get("healed_on") for r in doc["rows"])  # heal data with an evaluation set's own text
     return "\n".join([
-        f"### Healing, out of domain: SmolLM2-135M {student} healed on "
-        + " or on ".join(f"`{r['heal_data']}`" for r in doc["rows"]),
+        f"### Healing{' with the served text mixed in' if served else ', out of domain'}: SmolLM2-135M {student} "
+        "healed on " + " or on ".join(f"`{r['heal_data']}`" for r in doc["rows"]),
         "",
         ("The student is the uniform-rank convert-mla row of the latent-attention table below, with the "
          if mla else "The same student, with the ") +
@@ -238,7 +239,10 @@ def heal_cross_domain_section(doc: dict) -> str:
         "log-perplexity excess over the teacher that it closed)."
         + (" The last column is the heal's own held-out blocks of its data (the heal's in-domain text; "
            "the pydoc column is in-domain for the student's calibration, and out of domain for a heal on "
-           "`self` alone)." if any("heal_heldout" in r for r in doc["rows"]) else ""),
+           "`self` alone)." if any("heal_heldout" in r for r in doc["rows"]) else "")
+        + (" Heal data that names an evaluation set trains on that set's own text after the blocks it is "
+           "evaluated on (marked: in-domain for that heal); the student's calibration names it likewise "
+           "where its line says so." if served else ""),
         "",
         render(doc),
     ])

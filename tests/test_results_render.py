@@ -87,3 +87,20 @@ def test_the_served_text_section_marks_the_matched_domain():
     assert ("| 25% of query heads removed (66), gradient, `--compensate --anchor 1`, `--protect-layers 0` | "
             "`legal+builtin:pydoc+self` | 44.00 (1.10x) | 21.00 (1.05x), calibrated on it | 50 |") in text
     assert "### Calibrating on the served text" in text
+
+
+def test_a_heal_on_the_served_text_is_titled_and_marked_so():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+
+    names = ("news", "legal")
+    ppl = {n: {"perplexity": 20.0} for n in names}
+    doc = {"command": "python benchmarks/bench_heal_cross_domain.py --heal-data legal+builtin:pydoc+self:320",
+           "order": list(names), "domains": {n: {"label": n} for n in names}, "teacher": ppl, "before": ppl,
+           "student": {"kind": "gqa", "made_by": "convert_loaded: --data legal+builtin:pydoc+self"},
+           "settings": {"max_steps": 3, "batch_size": 1, "seq_len": 8},
+           "rows": [{"heal_data": "legal+builtin:pydoc+self:320", "healed_on": ["legal"], "seconds": 5,
+                     "after": ppl, "gap_closed": {"news": 0.25, "legal": 0.5}}]}
+    text = render_results.heal_cross_domain_section(doc)
+    assert text.startswith("### Healing with the served text mixed in: SmolLM2-135M 3 → 1 KV heads")
+    assert "| `legal+builtin:pydoc+self:320` | 20.00 (25% closed) | 20.00 (50% closed; healed on it) | 5 |" in text
