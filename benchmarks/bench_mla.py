@@ -95,7 +95,7 @@ def render(doc: dict) -> str:
             v = speed.get(key)
             return "-" if v is None else f"{v:.2f} ({ratios[key]:.2f}x)" if ratios.get(key) else f"{v:.2f}"
         params = ([f"{r['params'] / 1e6:.2f}M ({r['params'] / base_params:.3f}x)"] if with_params else [])
-        calibration = [f"`{r.get('calibration', '-')}`" if r.get("calibration") else "-"] if several else []
+        calibration = [f"`{r['calibration']}`" if r.get("calibration") else "-"] if several else []
         lines.append("| " + " | ".join([r["change"], *calibration, rank, *cells,
                                           f"{r['kv_cache_bytes_per_token']:,} B "
                                           f"({r['kv_cache_bytes_per_token'] / base_bytes:.3f}x)",

@@ -137,16 +137,14 @@ class LatentAttention(nn.Module):
             for name, heads in (("q_proj", h), ("k_proj", kv_heads)):
                 setattr(self, name, nn.Linear(hidden, heads * d, bias=getattr(source, name).bias is not None))
             self.q_norm, self.k_norm = source.q_norm, source.k_norm
-            self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
             self.kv_a_proj_with_mqa = nn.Linear(kv_heads * d + hidden, self.kv_rank + self.rope_dim,
                                                 bias=bool(spec["kv_bias"]))
-        elif self.factored_query:
-            self.q_proj = nn.Linear(hidden, h * self.v_head_dim, bias=bool(spec["q_bias"]))
+        else:  # the original query heads (factored), or [q_nope | q_rope] rows per head (older folders)
+            q_width = self.v_head_dim if self.factored_query else self.qk_nope_dim + self.rope_dim
+            self.q_proj = nn.Linear(hidden, h * q_width, bias=bool(spec["q_bias"]))
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
+        if self.factored_query:
             self.q_rope_proj = nn.Parameter(torch.zeros(h * self.rope_dim, self.v_head_dim))
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
-        else:
-            self.q_proj = nn.Linear(hidden, h * (self.qk_nope_dim + self.rope_dim), bias=bool(spec["q_bias"]))
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bool(spec["kv_bias"]))
         self.kv_b_proj = nn.Linear(self.kv_rank, h * (self.qk_nope_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bool(spec["o_bias"]))
         self._index: dict = {}
