@@ -14,6 +14,22 @@ def test_readme_results_match_the_benchmark_json():
     assert out.returncode == 0, out.stderr
 
 
+def test_every_result_names_the_command_that_wrote_it():
+    """A result's recorded command, rerun as printed, must write that very file: a run that wrote
+    elsewhere (/tmp) and was moved in afterwards reads as a command that reproduces nothing."""
+    import json
+    import shlex
+
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        command = json.loads(path.read_text()).get("command")
+        if not command:
+            continue
+        words = shlex.split(command)
+        assert words[:2] == ["python", words[1]] and words[1].startswith("benchmarks/"), (path.name, command)
+        if "--out" in words:
+            assert words[words.index("--out") + 1] == f"benchmarks/results/{path.name}", (path.name, command)
+
+
 def test_render_fills_only_the_marked_block(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import render_results
