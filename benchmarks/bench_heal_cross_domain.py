@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -73,9 +74,14 @@ def main() -> None:
                     help="gqa: --kv-heads 1 --merge fit; mla: convert-mla --kv-cache --rope-dim")
     ap.add_argument("--kv-cache", type=float, default=1 / 3, help="--student mla: the cache budget")
     ap.add_argument("--rope-dim", type=int, default=64, help="--student mla: rotary dims of the shared key")
+    ap.add_argument("--variants", default="",
+                    help="heal option overrides, one heal each per --heal-data source: ';' between variants, "
+                         "',' between options of one, as HealOptions fields (lr=1e-3,hidden_weight=1,"
+                         "hidden_layers=all); an empty variant is the defaults [default: the defaults only]")
     ap.add_argument("--out", default=None, help="[default: results/heal_cross_domain.json, "
                                                 "heal_cross_domain_mla.json for --student mla]")
     a = ap.parse_args()
+    variants = [parse_variant(v) for v in a.variants.split(";")] if a.variants else [{}]
     command = " ".join(["python", "benchmarks/bench_heal_cross_domain.py", *sys.argv[1:]])
     clock = RunClock()
     log = clock.log
@@ -113,11 +119,11 @@ def main() -> None:
         **({"kv_cache": a.kv_cache, "rope_dim": a.rope_dim} if a.student == "mla" else {})},
         "domains": domains, "order": list(domains), "teacher": teacher, "before": before,
         "settings": {"max_steps": a.max_steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
-                     "train": "attention", "eval_samples": a.eval_samples}, "rows": []}
+                     "train": "attention", "eval_samples": a.eval_samples, "variants": variants}, "rows": []}
     out = Path(a.out or HERE / "results" / ("heal_cross_domain_mla.json" if a.student == "mla"
                                             else "heal_cross_domain.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    for source in [s.strip() for s in a.heal_data.split(",") if s.strip()]:
+    for source, overrides in [(s.strip(), v) for s in a.heal_data.split(",") if s.strip() for v in variants]:
         parts = parse_sources(source)
         # the heal's pydoc share starts after the in-domain evaluation blocks (its held-out first); an
         # evaluation set named in the heal data (its own text: served_source) skips at least as many, so
@@ -126,7 +132,7 @@ def main() -> None:
         text, healed_on = served_source(source, domains)
         data = DataSpec(source=text, seq_len=a.seq_len, batch_size=a.batch_size, seed=0, skip_samples=skip)
         req = HealRequest(student=MODEL, teacher=MODEL, output="", data=data, eval_samples=a.eval_samples,
-                          opts=HealOptions(train="attention", max_steps=a.max_steps))
+                          opts=HealOptions(train="attention", max_steps=a.max_steps, **overrides))
         # the heal's own held-out blocks (heal_loaded holds out the first --eval-samples of --data)
         held = {"heal": make_batches(replace(data, max_samples=a.eval_samples), tok, "lm", model=lm).batches}
         held_teacher, _ = perplexities(lm.model, held)
@@ -138,7 +144,7 @@ def main() -> None:
         after, _ = perplexities(healed.model, evals)
         held_after, _ = perplexities(healed.model, held)
         info = res.to_json()
-        row = {"heal_data": source, "healed_on": healed_on, "skip_samples": skip, "seconds": round(heal_s, 1),
+        row = {"heal_data": source, "heal_options": overrides, "healed_on": healed_on, "skip_samples": skip, "seconds": round(heal_s, 1),
                "steps": info.get("steps"),
                "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
                "gap_closed": {n: gap_closed(before[n]["perplexity"], after[n]["perplexity"],
@@ -150,13 +156,33 @@ def main() -> None:
                                                          held_teacher["heal"]["perplexity"])}}
         doc["rows"].append(row)
         out.write_text(json.dumps(doc, indent=2) + "\n")
-        log(f"heal on {source}: " + "  ".join(
+        log(f"heal on {source}{variant_label(overrides)}: " + "  ".join(
             f"{n} {before[n]['perplexity']:.2f} -> {after[n]['perplexity']:.2f} "
             f"({100 * row['gap_closed'][n]:.0f}% closed)" for n in evals)
             + f"  its own held-out {held_before['heal']['perplexity']:.2f} -> {held_after['heal']['perplexity']:.2f} "
             f"(teacher {held_teacher['heal']['perplexity']:.2f}, {100 * row['heal_heldout']['gap_closed']:.0f}% "
             f"closed)  [{heal_s:.0f} s]")
     print(render(doc))
+
+
+def parse_variant(text: str) -> dict:
+    """'lr=1e-3,hidden_layers=all' -> HealOptions overrides, typed as the field's annotation."""
+    fields = {f.name: f for f in dataclasses.fields(HealOptions)}
+    out: dict = {}
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        key, sep, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise SystemExit(f"--variants: {part!r} is not NAME=VALUE with NAME a HealOptions field")
+        kind = str(fields[key].type)  # the annotation's text: "str", "int | None", "float", "bool"
+        out[key] = (value if kind.startswith("str") else value.lower() in ("1", "true", "on") if kind == "bool"
+                    else int(value) if kind.startswith("int") else float(value))
+    return out
+
+
+def variant_label(overrides: dict) -> str:
+    """' (lr 0.001, hidden_layers all)' or '' for the defaults."""
+    return " (" + ", ".join(f"{k} {v}" for k, v in overrides.items()) + ")" if overrides else ""
 
 
 def render(doc: dict) -> str:
@@ -176,7 +202,7 @@ def render(doc: dict) -> str:
         h = r.get("heal_heldout")
         cell = (f" | {h['after']['perplexity']:.2f} ({100 * h['gap_closed']:.0f}% closed; "
                 f"{h['teacher']['perplexity']:.2f} / {h['before']['perplexity']:.2f})" if h else " | -")
-        lines.append(f"| `{r['heal_data']}` | " + " | ".join(
+        lines.append(f"| `{r['heal_data']}`{variant_label(r.get('heal_options') or {})} | " + " | ".join(
             f"{r['after'][n]['perplexity']:.2f} ({100 * r['gap_closed'][n]:.0f}% closed"
             + ("; healed on it" if n in r.get("healed_on", ()) else "") + ")" for n in names)
             + (cell if own else "") + f" | {r['seconds']:.0f} |")

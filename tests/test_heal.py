@@ -385,3 +385,37 @@ def test_distill_terms_and_schedule():
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
     assert f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1)
     assert all(f(i) >= f(i + 1) for i in range(10, 100))
+
+
+def test_hidden_match_every_layer_is_scale_free_and_needs_equal_depth():
+    """`--hidden-layers all` averages each layer's error normalized by the teacher's scale there: a
+    layer of huge activations weighs no more than a small one, and mismatched depth is a usage error."""
+    opts = HealOptions(hidden_weight=2.0, hidden_layers="all", kl_weight=0.0)
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    g = torch.Generator().manual_seed(0)
+    t = tuple(torch.randn(2, 5, 8, generator=g) * s for s in (1.0, 1000.0))
+    same = distill_terms((torch.zeros(2, 5, 3), t), (torch.zeros(2, 5, 3), t), batch, opts, None)
+    assert float(same["hidden"]) == 0.0
+    # the same relative error (10%) in either layer gives the same loss, whatever the layer's scale
+    off0 = (t[0] * 1.1, t[1])
+    off1 = (t[0], t[1] * 1.1)
+    e0 = distill_terms((torch.zeros(2, 5, 3), off0), (torch.zeros(2, 5, 3), t), batch, opts, None)
+    e1 = distill_terms((torch.zeros(2, 5, 3), off1), (torch.zeros(2, 5, 3), t), batch, opts, None)
+    assert float(e0["hidden"]) == pytest.approx(0.01 / 2, rel=1e-4)
+    assert float(e1["hidden"]) == pytest.approx(float(e0["hidden"]), rel=1e-4)
+    assert float(e0["total"]) == pytest.approx(2.0 * float(e0["hidden"]))
+    with pytest.raises(UsageError, match="layers"):
+        distill_terms((torch.zeros(2, 5, 3), t[:1]), (torch.zeros(2, 5, 3), t), batch, opts, None)
+    with pytest.raises(UsageError, match="hidden-layers"):
+        HealOptions(hidden_layers="some").validate()
+
+
+def test_heal_matching_every_layer_trains_and_records_the_choice(pair, text, tmp_path):
+    teacher, student = pair
+    doc = _heal(student, teacher, tmp_path / "out", text, "--max-steps", "6", "--lr", "3e-3", "--kl-weight", "0",
+                "--hidden-weight", "1", "--hidden-layers", "all")
+    assert doc["steps"] == 6 and doc["distill_last_quarter"] is not None
+    assert doc["after"]["distill"] < doc["before"]["distill"]  # matching every layer pulls the logits too
+    recorded = json.loads((tmp_path / "out" / "headtool.json").read_text())
+    assert recorded["options"]["hidden_layers"] == "all" and recorded["options"]["hidden_weight"] == 1.0
+    assert "hidden" in recorded["after"]

@@ -132,8 +132,10 @@ def finish_trainable(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- losses
 
 
-def _outputs(model: nn.Module, batch: dict, want_hidden: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(logits or None, final hidden states or None) of one forward pass."""
+def _outputs(model: nn.Module, batch: dict, opts: HealOptions) -> tuple[torch.Tensor | None, Any]:
+    """(logits or None, hidden states or None) of one forward pass: the final hidden state, or
+    with `--hidden-layers all` every layer's output (a tuple) when `--hidden-weight` asks for them."""
+    want_hidden = bool(opts.hidden_weight)
     kw: dict[str, Any] = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
     if want_hidden:
         kw["output_hidden_states"] = True
@@ -141,7 +143,20 @@ def _outputs(model: nn.Module, batch: dict, want_hidden: bool) -> tuple[torch.Te
     logits = getattr(out, "logits", None)
     if logits is None:
         return None, out.last_hidden_state
-    return logits, (out.hidden_states[-1] if want_hidden else None)
+    if not want_hidden:
+        return logits, None
+    return logits, (tuple(out.hidden_states[1:]) if opts.hidden_layers == "all" else out.hidden_states[-1])
+
+
+def hidden_match(s_hidden: Any, t_hidden: Any, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean normalized squared error of the final hidden state, or of every layer's output (each
+    layer normalized by the teacher's own mean squared norm there, so that no layer's scale rules)."""
+    if not isinstance(s_hidden, tuple):
+        return _mean(*divergence(s_hidden, t_hidden, mask, False))
+    if len(s_hidden) != len(t_hidden):
+        raise UsageError(f"--hidden-layers all: the student has {len(s_hidden)} layers and the teacher "
+                         f"{len(t_hidden)}; use --hidden-layers last")
+    return torch.stack([_mean(*divergence(s, t, mask, False)) for s, t in zip(s_hidden, t_hidden)]).mean()
 
 
 def _mean(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -161,8 +176,7 @@ def distill_terms(s: tuple, t: tuple, batch: dict, opts: HealOptions, objective:
         d, w = divergence(s_logits / tau, t_logits / tau, mask if s_logits.dim() == 3 else None, True)
         terms["distill"] = _mean(d, w) * tau * tau
         if opts.hidden_weight and s_hidden is not None:
-            d, w = divergence(s_hidden, t_hidden, mask, False)
-            terms["hidden"] = _mean(d, w)
+            terms["hidden"] = hidden_match(s_hidden, t_hidden, mask)
         if objective in ("lm", "mlm"):
             losses, w = token_losses(objective, s_logits, batch)
             terms["lm"] = _mean(losses, w)
@@ -323,8 +337,8 @@ def evaluate_heal(student: nn.Module, teacher: nn.Module, batches: Sequence[dict
             b = to_device(batch, device)
             n = float(b["attention_mask"].sum()) if "attention_mask" in b else float(b["input_ids"].numel())
             with _autocast(device, bf16):
-                t = _outputs(teacher, b, bool(opts.hidden_weight))
-                s = _outputs(student, b, bool(opts.hidden_weight))
+                t = _outputs(teacher, b, opts)
+                s = _outputs(student, b, opts)
             for k, v in distill_terms(s, t, b, opts, objective).items():
                 sums[k] = sums.get(k, 0.0) + float(v) * n
             weight += n
@@ -501,9 +515,9 @@ def heal_model(
                 ctx = contextlib.nullcontext() if sync else model.no_sync()
                 with ctx:
                     with torch.no_grad(), _autocast(device, bf16):
-                        t_out = _outputs(teacher, batch, bool(opts.hidden_weight))
+                        t_out = _outputs(teacher, batch, opts)
                     with _autocast(device, bf16):
-                        s_out = _outputs(model, batch, bool(opts.hidden_weight))
+                        s_out = _outputs(model, batch, opts)
                     terms = distill_terms(s_out, t_out, batch, opts, objective)
                     loss = terms["total"] / opts.grad_accum
                     if not torch.isfinite(loss):

@@ -10,6 +10,7 @@ from ..errors import UsageError
 from ..optionspec import CLI_ONLY, option
 
 TRAIN_MODES = ("attention", "all", "lora")
+HIDDEN_LAYERS = ("last", "all")
 _T, _L, _E = "Training", "Loss", "Evaluation and state"
 
 
@@ -25,7 +26,11 @@ class HealOptions:
     kl_weight: float = option(1.0, "weight of the distillation term (KL of logits; hidden states for headless "
                               "models)", min=0, panel=_L)
     lm_weight: float = option(0.0, "weight of the student's own LM / MLM loss", min=0, panel=_L)
-    hidden_weight: float = option(0.0, "weight of final hidden-state matching", min=0, panel=_L)
+    hidden_weight: float = option(0.0, "weight of hidden-state matching (normalized squared error)", min=0,
+                                  panel=_L)
+    hidden_layers: str = option("last", "hidden states that --hidden-weight matches: last (the final one) | all "
+                                "(every layer's output, each normalized by the teacher's scale there)",
+                                choices=HIDDEN_LAYERS, panel=_L)
     lr: float | None = option(None, "peak learning rate [default: 2e-4; 1e-3 for lora]", above=0, panel=_T)
     weight_decay: float = option(0.0, "AdamW weight decay", min=0, panel=_T)
     warmup_steps: int | None = option(None, "linear warmup steps [default: 5% of the steps]", min=0, panel=_T)
@@ -68,6 +73,8 @@ class HealOptions:
             raise UsageError(f"--lr must be positive (got {self.lr})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {self.min_lr_ratio})")
+        if self.hidden_layers not in HIDDEN_LAYERS:
+            raise UsageError(f"--hidden-layers {self.hidden_layers!r}: use last or all")
         if self.bf16 not in ("auto", "on", "off"):
             raise UsageError(f"--bf16 {self.bf16!r}: use auto, on or off")
 
