@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -82,7 +83,7 @@ def main() -> None:
                                                 "heal_cross_domain_mla.json for --student mla]")
     a = ap.parse_args()
     variants = [parse_variant(v) for v in a.variants.split(";")] if a.variants else [{}]
-    command = " ".join(["python", "benchmarks/bench_heal_cross_domain.py", *sys.argv[1:]])
+    command = shlex.join(["python", "benchmarks/bench_heal_cross_domain.py", *sys.argv[1:]])
     clock = RunClock()
     log = clock.log
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from fractions import Fraction
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    command = " ".join(["python", "benchmarks/bench_mla.py", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "benchmarks/bench_mla.py", *(argv if argv is not None else sys.argv[1:])])
     clock = RunClock()
     log = clock.log
 

@@ -19,6 +19,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -58,7 +59,7 @@ def main() -> None:
     fractions = [float(f) for f in a.fractions.split(",") if f]
     methods = [m for m in a.methods.split(",") if m]
     merges = [m for m in a.merges.split(",") if m]
-    command = " ".join(["python", "benchmarks/bench_quality.py", *sys.argv[1:]])
+    command = shlex.join(["python", "benchmarks/bench_quality.py", *sys.argv[1:]])
 
     clock = RunClock()
     log = clock.log

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -193,7 +194,7 @@ def main() -> None:
         "ablation_ratio_vs_forward_estimate": t_abl / (t_fwd * (len(all_heads) + 1)),
         "memory_fwd_bwd": mem_fb, "memory_gradient_scoring": mem_grad,
         "memory_ratio_peak_increase": mem_grad["peak_increase_mib"] / max(mem_fb["peak_increase_mib"], 1e-9),
-        "command": " ".join(["python", "benchmarks/bench_scoring.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "benchmarks/bench_scoring.py", *sys.argv[1:]]),
         "memory_measure": "peak RSS (VmHWM, reset via /proc/self/clear_refs after loading) of a child process "
                           "running only the workload, minus its RSS after loading the model and data",
     }

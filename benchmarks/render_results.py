@@ -228,9 +228,11 @@ def heal_cross_domain_section(doc: dict) -> str:
     student = (f"latent attention (convert-mla) at {Fraction(doc['student']['kv_cache']).limit_denominator(16)} "
                "of the KV cache" if mla else "3 → 1 KV heads")
     served = any(r.get("healed_on") for r in doc["rows"])  # heal data with an evaluation set's own text
+    variants = any(r.get("heal_options") for r in doc["rows"])  # bench_heal_cross_domain --variants
     return "\n".join([
         f"### Healing{' with the served text mixed in' if served else ', out of domain'}: SmolLM2-135M {student} "
-        "healed on " + " or on ".join(f"`{r['heal_data']}`" for r in doc["rows"]),
+        "healed on " + " or on ".join(f"`{h}`" for h in dict.fromkeys(r["heal_data"] for r in doc["rows"]))
+        + (": heal options compared" if variants else ""),
         "",
         ("The student is the uniform-rank convert-mla row of the latent-attention table below, with the "
          if mla else "The same student, with the ") +
@@ -242,7 +244,9 @@ def heal_cross_domain_section(doc: dict) -> str:
            "`self` alone)." if any("heal_heldout" in r for r in doc["rows"]) else "")
         + (" Heal data that names an evaluation set trains on that set's own text after the blocks it is "
            "evaluated on (marked: in-domain for that heal); the student's calibration names it likewise "
-           "where its line says so." if served else ""),
+           "where its line says so." if served else "")
+        + (f" Rows differ only in the heal options in parentheses (the defaults otherwise), "
+           f"{doc['settings']['max_steps']} steps each." if variants else ""),
         "",
         render(doc),
     ])

@@ -16,7 +16,8 @@ def test_readme_results_match_the_benchmark_json():
 
 def test_every_result_names_the_command_that_wrote_it():
     """A result's recorded command, rerun as printed, must write that very file: a run that wrote
-    elsewhere (/tmp) and was moved in afterwards reads as a command that reproduces nothing."""
+    elsewhere (/tmp) and was moved in afterwards, or whose empty argument lost its quotes, reads as
+    a command that reproduces nothing."""
     import json
     import shlex
 
@@ -25,6 +26,8 @@ def test_every_result_names_the_command_that_wrote_it():
         if not command:
             continue
         words = shlex.split(command)
+        # as a shell reads it: an empty or ';'-holding argument quoted, as shlex.join writes it
+        assert shlex.join(words) == command, (path.name, command)
         assert words[:2] == ["python", words[1]] and words[1].startswith("benchmarks/"), (path.name, command)
         if "--out" in words:
             assert words[words.index("--out") + 1] == f"benchmarks/results/{path.name}", (path.name, command)
