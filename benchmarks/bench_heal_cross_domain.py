@@ -133,7 +133,7 @@ def main() -> None:
         text, healed_on = served_source(source, domains)
         data = DataSpec(source=text, seq_len=a.seq_len, batch_size=a.batch_size, seed=0, skip_samples=skip)
         req = HealRequest(student=MODEL, teacher=MODEL, output="", data=data, eval_samples=a.eval_samples,
-                          opts=HealOptions(train="attention", max_steps=a.max_steps, **overrides))
+                          opts=heal_options(a.max_steps, overrides))
         # the heal's own held-out blocks (heal_loaded holds out the first --eval-samples of --data)
         held = {"heal": make_batches(replace(data, max_samples=a.eval_samples), tok, "lm", model=lm).batches}
         held_teacher, _ = perplexities(lm.model, held)
@@ -181,6 +181,14 @@ def parse_variant(text: str) -> dict:
     return out
 
 
+def heal_options(max_steps: int, overrides: dict) -> HealOptions:
+    """The benchmark's heal (--train attention, --max-steps) with a variant's overrides on top (any field,
+    train and max_steps included)."""
+    opts = HealOptions(**{"train": "attention", "max_steps": max_steps, **overrides})
+    opts.validate()
+    return opts
+
+
 def variant_label(overrides: dict) -> str:
     """' (lr 0.001, hidden_layers all)' or '' for the defaults."""
     return " (" + ", ".join(f"{k} {v}" for k, v in overrides.items()) + ")" if overrides else ""
@@ -207,8 +215,9 @@ def render(doc: dict) -> str:
             f"{r['after'][n]['perplexity']:.2f} ({100 * r['gap_closed'][n]:.0f}% closed"
             + ("; healed on it" if n in r.get("healed_on", ()) else "") + ")" for n in names)
             + (cell if own else "") + f" | {r['seconds']:.0f} |")
+    varied = any(r.get("heal_options") for r in doc["rows"])
     lines += ["", f"Student: {doc['student']['made_by']}. Heal: `--train attention`, {doc['settings']['max_steps']} "
-              f"steps of {doc['settings']['batch_size']} x {doc['settings']['seq_len']} tokens. Gap closed: the "
+              f"steps{' (unless a row says otherwise)' if varied else ''} of {doc['settings']['batch_size']} x {doc['settings']['seq_len']} tokens. Gap closed: the "
               "share of the student's log-perplexity excess over the teacher that the heal removed.",
               f"`{doc['command']}`"]
     return "\n".join(lines)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -123,3 +125,19 @@ def test_a_heal_on_the_served_text_is_titled_and_marked_so():
     text = render_results.heal_cross_domain_section(doc)
     assert text.startswith("### Healing with the served text mixed in: SmolLM2-135M 3 → 1 KV heads")
     assert "| `legal+builtin:pydoc+self:320` | 20.00 (25% closed) | 20.00 (50% closed; healed on it) | 5 |" in text
+
+
+def test_heal_variants_parse_and_override_any_option():
+    """bench_heal_cross_domain --variants: typed HealOptions overrides, the benchmark's own settings
+    (train, max_steps) included, and a clear exit on a field that does not exist."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_heal_cross_domain import heal_options, parse_variant, variant_label
+
+    v = parse_variant("train=lora, lr=1e-3,hidden_layers=all,max_steps=7,keep_best=false")
+    assert v == {"train": "lora", "lr": 1e-3, "hidden_layers": "all", "max_steps": 7, "keep_best": False}
+    opts = heal_options(300, v)
+    assert (opts.train, opts.max_steps, opts.lr, opts.keep_best) == ("lora", 7, 1e-3, False)
+    assert heal_options(300, {}).train == "attention" and heal_options(300, {}).max_steps == 300
+    assert variant_label({}) == "" and variant_label({"lr": 0.001}) == " (lr 0.001)"
+    with pytest.raises(SystemExit, match="HealOptions field"):
+        parse_variant("learning_rate=1")
