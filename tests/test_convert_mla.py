@@ -533,6 +533,29 @@ def test_heal_trains_a_latent_student_and_writes_latent_attention(tmp_path):
     assert healed.config.headtool_mla["kv_rank"] == [6, 6, 6]
 
 
+def test_heal_lora_trains_a_latent_student_whose_attention_reads_weights(tmp_path):
+    """`heal --train lora` on a convert-mla output: latent attention reads kv_b_proj's (and, folded,
+    q_proj's and o_proj's) weight instead of calling the module, so the low-rank wrapper must offer
+    the effective weight (base + update). It raised AttributeError on 'weight' before."""
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--no-refit",
+             "-o", tmp_path / "mla")
+    assert r.exit_code == 0, r.stderr
+    r = runner.invoke(app, ["heal", str(tmp_path / "mla"), "--teacher", str(src), "--data", "builtin:pydoc",
+                            "--max-samples", "6", "--seq-len", "16", "--max-steps", "3", "--eval-samples", "2",
+                            "--train", "lora", "--lora-rank", "2", "--lr", "1e-2", "-o", str(tmp_path / "healed")])
+    assert r.exit_code == 0, r.stderr
+    before = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", trust_remote_code=True).state_dict()
+    healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True)
+    assert type(healed.model.layers[0].self_attn).__name__ == "LatentAttention"
+    after = healed.state_dict()
+    assert before.keys() == after.keys()  # merged back: no adapter tensors
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert any("kv_b_proj" in k for k in changed) and all(".self_attn." in k for k in changed)
+
+
 @pytest.mark.parametrize("family", LATENT_FAMILIES)
 def test_folded_absorbed_decode_equals_plain_and_refolds_when_weights_change(family):
     """At a compressing rank, decoding without gradients folds the up-projections into q_proj and

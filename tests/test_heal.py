@@ -372,6 +372,26 @@ def test_lowrank_merge_is_exact(family):
     assert set(model.state_dict()) == set(tiny_model(family).state_dict())
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lowrank_weight_is_the_effective_weight_and_trains_the_update(family):
+    """Modeling code that reads `proj.weight` sees base + update and trains the update through it."""
+    m = tiny_model(family)
+    a = adapter_for(m.config)
+    add_lowrank(m, [a.attention_module(m, 0)], rank=2, alpha=4.0, seed=0)
+    wrapped = next(x for x in m.modules() if isinstance(x, LowRankLinear))
+    with torch.no_grad():
+        wrapped.lora_b.normal_()
+    assert torch.allclose(wrapped.weight, wrapped.base.weight + wrapped.delta(), atol=0, rtol=0)
+    assert wrapped.bias is wrapped.base.bias
+    x = torch.randn(3, wrapped.lora_a.shape[1])
+    via_weight = x @ (wrapped.weight if wrapped.conv1d else wrapped.weight.t())
+    via_call = wrapped(x) - (0 if wrapped.bias is None else wrapped.bias)
+    assert torch.allclose(via_weight, via_call, atol=1e-5)
+    via_weight.sum().backward()
+    assert wrapped.lora_a.grad is not None and wrapped.lora_b.grad is not None
+    assert wrapped.base.weight.grad is None  # the base stays frozen
+
+
 def test_distill_terms_and_schedule():
     opts = HealOptions(temperature=2.0, lm_weight=0.5)
     logits = torch.randn(2, 5, 11)

@@ -55,6 +55,18 @@ class LowRankLinear(nn.Module):
         b = self.lora_b.to(x.dtype)
         return self.base(x) + (x @ a.t() @ b.t()) * self.scale
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight, base + update, in the base's layout and differentiable in the update:
+        for modeling code that reads a projection's weight instead of calling it (latent attention's
+        absorbed and folded paths)."""
+        w = self.base.weight
+        return w + self.delta().to(device=w.device, dtype=w.dtype)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
     def delta(self) -> torch.Tensor:
         """The update in the base weight's own layout."""
         d = (self.lora_b.float() @ self.lora_a.float()) * self.scale  # [out, in]
