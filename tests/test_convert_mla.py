@@ -514,19 +514,24 @@ def test_smollm2_full_rank_exact_and_a_third_of_the_cache_runs(smollm2):
     assert ppl < 10 * base, (ppl, base)
 
 
-def test_heal_trains_a_latent_student_and_writes_latent_attention(tmp_path):
-    """heal runs on a convert-mla output as on any student (its attention parameters are the
-    latent projections) and writes a folder that is latent attention again."""
-    from transformers import AutoModelForCausalLM
-
+def _heal_latent_student(tmp_path, *heal_args: str) -> None:
+    """tiny llama -> convert-mla (kv_rank 6, a compressing rank) in tmp_path/mla -> heal into tmp_path/healed."""
     src = save_tiny("llama", tmp_path / "src")
     r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--no-refit",
              "-o", tmp_path / "mla")
     assert r.exit_code == 0, r.stderr
     r = runner.invoke(app, ["heal", str(tmp_path / "mla"), "--teacher", str(src), "--data", "builtin:pydoc",
-                            "--max-samples", "6", "--seq-len", "16", "--max-steps", "2", "--eval-samples", "2",
+                            "--max-samples", "6", "--seq-len", "16", "--eval-samples", "2", *heal_args,
                             "-o", str(tmp_path / "healed")])
     assert r.exit_code == 0, r.stderr
+
+
+def test_heal_trains_a_latent_student_and_writes_latent_attention(tmp_path):
+    """heal runs on a convert-mla output as on any student (its attention parameters are the
+    latent projections) and writes a folder that is latent attention again."""
+    from transformers import AutoModelForCausalLM
+
+    _heal_latent_student(tmp_path, "--max-steps", "2")
     healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True)
     assert isinstance(healed.model.layers[0].self_attn, torch.nn.Module)
     assert type(healed.model.layers[0].self_attn).__name__ == "LatentAttention"
@@ -539,14 +544,7 @@ def test_heal_lora_trains_a_latent_student_whose_attention_reads_weights(tmp_pat
     the effective weight (base + update). It raised AttributeError on 'weight' before."""
     from transformers import AutoModelForCausalLM
 
-    src = save_tiny("llama", tmp_path / "src")
-    r = _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 4, "--seq-len", 16, "--no-refit",
-             "-o", tmp_path / "mla")
-    assert r.exit_code == 0, r.stderr
-    r = runner.invoke(app, ["heal", str(tmp_path / "mla"), "--teacher", str(src), "--data", "builtin:pydoc",
-                            "--max-samples", "6", "--seq-len", "16", "--max-steps", "3", "--eval-samples", "2",
-                            "--train", "lora", "--lora-rank", "2", "--lr", "1e-2", "-o", str(tmp_path / "healed")])
-    assert r.exit_code == 0, r.stderr
+    _heal_latent_student(tmp_path, "--max-steps", "3", "--train", "lora", "--lora-rank", "2", "--lr", "1e-2")
     before = AutoModelForCausalLM.from_pretrained(tmp_path / "mla", trust_remote_code=True).state_dict()
     healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed", trust_remote_code=True)
     assert type(healed.model.layers[0].self_attn).__name__ == "LatentAttention"
