@@ -239,6 +239,12 @@ def calibration_spec(name: str, domains: dict[str, dict], *, blocks: int, evalua
                     skip_samples=skip), own
 
 
+def calibration_mark(name: str, row: dict) -> str:
+    """', calibrated on it' where evaluation set `name` is one the row was calibrated on (domain-matched:
+    in-domain for it). Rows written before `calibrated_on` was recorded name the set as their calibration."""
+    return ", calibrated on it" if name in row.get("calibrated_on", [row.get("calibration")]) else ""
+
+
 def perplexities(model, evals: dict[str, list]) -> tuple[dict, float]:
     """Loss and perplexity of `model` on every evaluation set, and the seconds it took."""
     t0 = time.perf_counter()
@@ -455,8 +461,7 @@ def render(doc: dict) -> str:
         for n in names:
             e = r["eval"][n]
             cells.append(_fmt(e["perplexity"]) if r["kind"] == "unpruned" else
-                         f"{_fmt(e['perplexity'])} ({e['ratio']:.2f}x)"
-                         + (", calibrated on it" if n in r.get("calibrated_on", ()) else ""))
+                         f"{_fmt(e['perplexity'])} ({e['ratio']:.2f}x){calibration_mark(n, r)}")
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"

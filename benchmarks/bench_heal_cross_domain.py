@@ -120,7 +120,7 @@ def main() -> None:
         **({"kv_cache": a.kv_cache, "rope_dim": a.rope_dim} if a.student == "mla" else {})},
         "domains": domains, "order": list(domains), "teacher": teacher, "before": before,
         "settings": {"max_steps": a.max_steps, "batch_size": a.batch_size, "seq_len": a.seq_len,
-                     "train": "attention", "eval_samples": a.eval_samples, "variants": variants}, "rows": []}
+                     "train": "attention", "eval_samples": a.eval_samples}, "rows": []}
     out = Path(a.out or HERE / "results" / ("heal_cross_domain_mla.json" if a.student == "mla"
                                             else "heal_cross_domain.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -145,9 +145,8 @@ def main() -> None:
         after, _ = perplexities(healed.model, evals)
         held_after, _ = perplexities(healed.model, held)
         info = res.to_json()
-        row = {"heal_data": source, "heal_options": overrides, "healed_on": healed_on, "skip_samples": skip, "seconds": round(heal_s, 1),
-               "steps": info.get("steps"),
-               "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
+        row = {"heal_data": source, "heal_options": overrides, "healed_on": healed_on, "skip_samples": skip,
+               "seconds": round(heal_s, 1), "steps": info.get("steps"), "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
                "gap_closed": {n: gap_closed(before[n]["perplexity"], after[n]["perplexity"],
                                             teacher[n]["perplexity"]) for n in evals},
                "heal_heldout": {"blocks": a.eval_samples, "teacher": held_teacher["heal"],

@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cross_domain, run as a script
 
-from bench_cross_domain import calibration_spec, evaluation_sets, perplexities  # noqa: E402
+from bench_cross_domain import calibration_mark, calibration_spec, evaluation_sets, perplexities  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
 from headtool.measure.speed import SpeedSpec, measure_models, speed_input_ids  # noqa: E402
@@ -82,8 +82,7 @@ def render(doc: dict) -> str:
     base_params = doc["rows"][0].get("params")
     for r in doc["rows"]:
         # a set the row was calibrated on (domain-matched calibration) is in-domain for it: marked
-        cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x)"
-                 + (", calibrated on it" if n in r.get("calibrated_on", [r.get("calibration")]) else "")
+        cells = [f"{_fmt(r['eval'][n]['perplexity'])} ({r['eval'][n]['ratio']:.2f}x){calibration_mark(n, r)}"
                  for n in order]
         ranks = r.get("kv_rank")
         rank = "-" if ranks is None else (str(ranks[0]) if len(set(ranks)) == 1 else f"{min(ranks)}..{max(ranks)}")

@@ -151,12 +151,11 @@ def _outputs(model: nn.Module, batch: dict, opts: HealOptions) -> tuple[torch.Te
 def hidden_match(s_hidden: Any, t_hidden: Any, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean normalized squared error of the final hidden state, or of every layer's output (each
     layer normalized by the teacher's own mean squared norm there, so that no layer's scale rules)."""
-    if not isinstance(s_hidden, tuple):
-        return _mean(*divergence(s_hidden, t_hidden, mask, False))
-    if len(s_hidden) != len(t_hidden):
-        raise UsageError(f"--hidden-layers all: the student has {len(s_hidden)} layers and the teacher "
-                         f"{len(t_hidden)}; use --hidden-layers last")
-    return torch.stack([_mean(*divergence(s, t, mask, False)) for s, t in zip(s_hidden, t_hidden)]).mean()
+    s_layers, t_layers = (s_hidden, t_hidden) if isinstance(s_hidden, tuple) else ((s_hidden,), (t_hidden,))
+    if len(s_layers) != len(t_layers):
+        raise UsageError(f"--hidden-layers all: the student has {len(s_layers)} layers and the teacher "
+                         f"{len(t_layers)}; use --hidden-layers last")
+    return torch.stack([_mean(*divergence(s, t, mask, False)) for s, t in zip(s_layers, t_layers)]).mean()
 
 
 def _mean(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
