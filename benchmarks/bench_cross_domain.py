@@ -1,7 +1,7 @@
 """Cross-domain quality on SmolLM2-135M without training: calibrate on one source, evaluate on text it never saw.
 
 Every other quality figure (bench_quality.py) calibrates and evaluates on `builtin:pydoc`, which
-flatters the refits (issue 18). Here each compressed model is evaluated on two out-of-domain
+flatters the refits (issue 18). Here each compressed model is evaluated on three out-of-domain
 sets and, last and labelled as such, on held-out `builtin:pydoc` blocks.
 
 Rows: the unpruned model; then for each calibration source (--calibrations, default
@@ -39,6 +39,15 @@ Evaluation (the same blocks for every row, --eval blocks of --seq-len tokens eac
   GPL/LGPL, PSF, ...; each file under its own package's licence, which permits redistribution
   of the licence text). Rebuilt every run from the installed packages; its sha256 and file
   count are recorded, since another set of packages gives another text.
+* wiki: English Wikipedia articles, the body prose of the ~100 articles in the shortened 2017 dump
+  that ships in the same gensim wheel as
+  `gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`
+  (Anarchism, Autism, Albedo, ...: encyclopedic prose on many subjects, 100 distinct documents,
+  unlike the licence texts' near-copies). benchmarks/wikitext.py keeps the body paragraphs of 20
+  words or more, without templates, references, tables, lists, headings or the sections from
+  "See also" on. Wikipedia text is CC BY-SA and is never committed: it is fetched with the news
+  set's wheel and cached as $HEADTOOL_CACHE/bench-data/enwiki-articles.txt. Results written
+  before this set existed have no wiki column.
 * in-domain: `builtin:pydoc` blocks after the --cal + --held blocks of every calibration (so
   disjoint from all of them; for `self` calibration this is simply a third domain, for the
   mixture half in-domain). Reported last: it flatters the pydoc-calibrated rows.
@@ -55,6 +64,7 @@ prints the table (perplexity and its ratio to the unpruned model; out-of-domain 
 from __future__ import annotations
 
 import argparse
+import bz2
 import copy
 import hashlib
 import json
@@ -73,6 +83,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: shared cores
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_clock, run as a script
 from run_clock import RunClock  # noqa: E402
+import wikitext  # noqa: E402
 
 from headtool.data.batches import make_batches, mixture_schedule
 from headtool.data.sources import DataSpec, licence_texts, parse_sources
@@ -94,6 +105,8 @@ DATA_FREE_MERGES = ("mean",)
 GENSIM = "gensim==4.4.0"
 LEE_MEMBER = "gensim/test/test_data/lee_background.cor"
 NEWS_FILE = "lee_background.txt"
+WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+WIKI_FILE = "enwiki-articles.txt"
 LEGAL_FILE = "python-licences.txt"
 IN_DOMAIN = "in-domain"
 IN_DOMAIN_LABEL = "in-domain (flatters)"
@@ -125,31 +138,56 @@ def _decode(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
+def _gensim_member(member: str) -> tuple[bytes, dict]:
+    """One file of the gensim wheel on PyPI (downloaded to a temporary folder, then dropped)."""
+    with tempfile.TemporaryDirectory(prefix="headtool-gensim-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", GENSIM,
+               "-d", tmp, "--quiet"]
+        print(f"fetching {member}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True)
+        wheels = sorted(Path(tmp).glob("gensim-*.whl"))
+        if not wheels:
+            raise SystemExit(f"pip download {GENSIM} gave no wheel")
+        with zipfile.ZipFile(wheels[0]) as z:
+            raw = z.read(member)
+        return raw, {"wheel": wheels[0].name, "wheel_sha256": _sha256(wheels[0]), "member": member}
+
+
+def _cached_gensim_text(folder: Path, name: str, member: str, to_text) -> tuple[Path, dict]:
+    """`to_text(member's bytes)` cached as folder/name, with a sidecar .json naming the wheel it came from."""
+    path = folder / name
+    sidecar = path.with_suffix(".json")  # which wheel it came from (the text alone does not say)
+    if not path.exists():
+        raw, fetched = _gensim_member(member)
+        _write_atomic(sidecar, json.dumps(fetched, indent=2) + "\n")
+        _write_atomic(path, to_text(raw))
+    return path, json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.exists() else {}
+
+
 def news_text(folder: Path) -> tuple[Path, dict]:
     """The Lee corpus as a .txt (fetched from the gensim wheel once, then read from the cache)."""
-    path = folder / NEWS_FILE
-    sidecar = path.with_suffix(".json")  # which wheel it came from (the text alone does not say)
+    path, fetched = _cached_gensim_text(folder, NEWS_FILE, LEE_MEMBER, _decode)
     meta = {"name": "news", "label": "news (Lee corpus)",
             "what": "Lee Background Corpus: 300 ABC news articles, one per line",
-            "origin": f"{LEE_MEMBER} in the {GENSIM} wheel on PyPI (gensim: LGPL-2.1; the text is not committed)"}
-    if not path.exists():
-        with tempfile.TemporaryDirectory(prefix="headtool-gensim-") as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", GENSIM,
-                   "-d", tmp, "--quiet"]
-            print(f"fetching the Lee corpus: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True)
-            wheels = sorted(Path(tmp).glob("gensim-*.whl"))
-            if not wheels:
-                raise SystemExit(f"pip download {GENSIM} gave no wheel")
-            with zipfile.ZipFile(wheels[0]) as z:
-                raw = z.read(LEE_MEMBER)
-            fetched = {"wheel": wheels[0].name, "wheel_sha256": _sha256(wheels[0]), "member": LEE_MEMBER}
-        _write_atomic(sidecar, json.dumps(fetched, indent=2) + "\n")
-        _write_atomic(path, _decode(raw))
-    if sidecar.exists():
-        meta.update(json.loads(sidecar.read_text(encoding="utf-8")))
+            "origin": f"{LEE_MEMBER} in the {GENSIM} wheel on PyPI (gensim: LGPL-2.1; the text is not committed)",
+            **fetched}
     text = path.read_text(encoding="utf-8")
     meta["lines"] = sum(1 for line in text.splitlines() if line.strip())
+    return path, meta
+
+
+def wiki_text(folder: Path) -> tuple[Path, dict]:
+    """Wikipedia articles as plain prose (`wikitext.plain_articles` of the gensim wheel's test dump)."""
+    path, fetched = _cached_gensim_text(
+        folder, WIKI_FILE, WIKI_MEMBER, lambda raw: wikitext.joined(wikitext.plain_articles(_decode(bz2.decompress(raw)))))
+    text = path.read_text(encoding="utf-8")
+    meta = {"name": "wiki", "label": "encyclopedia (Wikipedia)",
+            "what": "English Wikipedia articles (the first pages of a 2017 dump: Anarchism, Autism, Albedo, ...) "
+                    "as plain prose: body paragraphs of 20 words or more, without templates, references, tables, "
+                    "lists, headings or the sections from See also on (benchmarks/wikitext.py)",
+            "origin": f"{WIKI_MEMBER} in the {GENSIM} wheel on PyPI (Wikipedia text: CC BY-SA; the text is not "
+                      "committed)", **fetched,
+            "articles": text.count("\n\n") + 1}
     return path, meta
 
 
@@ -176,10 +214,10 @@ def count_blocks(source: str, tokenizer, seq_len: int) -> int:
 
 def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: int, min_blocks: int,
                     log=lambda msg: None) -> tuple[dict[str, dict], dict[str, list]]:
-    """(domains, their evaluation batches): news, legal, then in-domain pydoc blocks after `used`."""
+    """(domains, their evaluation batches): news, legal, wiki, then in-domain pydoc blocks after `used`."""
     folder = cache_dir() / "bench-data"
     domains: dict[str, dict] = {}
-    for path, meta in (news_text(folder), legal_text(folder)):
+    for path, meta in (news_text(folder), legal_text(folder), wiki_text(folder)):
         source = meta.pop("data_source", str(path))
         n = count_blocks(source, tok, seq_len)
         if n < max(min_blocks, n_eval):
@@ -209,7 +247,7 @@ def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: in
 
 
 def served_source(name: str, domains: dict[str, dict]) -> tuple[str, list[str]]:
-    """A --data string with every evaluation set's name (news, legal; alone or in a mixture) replaced
+    """A --data string with every evaluation set's name (news, legal, wiki; alone or in a mixture) replaced
     by that set's source, and the names replaced: the sets this data is in-domain for."""
     parts = parse_sources(name)
     own = [p.source for p in parts if p.source in domains and p.source != IN_DOMAIN]
@@ -270,7 +308,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrations", default=",".join(CALIBRATIONS),
                     help="comma list of calibration --data sources (mixtures allowed); an evaluation set's name "
-                         "(news, legal), alone or in a mixture, is that set's own text after its evaluated blocks "
+                         "(news, legal, wiki), alone or in a mixture, is that set's own text after its evaluated blocks "
                          "(domain-matched: the table marks the cell)")
     ap.add_argument("--fractions", default="0.1,0.25,0.5", help="fractions of query heads removed")
     ap.add_argument("--scores", default="gradient", help="comma list of score methods for the prune rows")

@@ -11,8 +11,8 @@ starts from the same student and trains on --heal-data; its own held-out blocks 
 pydoc part of the heal data never reaches the in-domain evaluation blocks (pydoc blocks
 cal + held .. cal + held + eval - 1 of its seeded order: the heal's pydoc share starts after them).
 
-Evaluation: news (Lee corpus), legal (builtin:licenses), in-domain pydoc, exactly the sets of
-bench_cross_domain.py (same --eval and --cal + --held), and the heal's own held-out blocks (the heal
+Evaluation: news (Lee corpus), legal (builtin:licenses), wiki (Wikipedia articles), in-domain
+pydoc, exactly the sets of bench_cross_domain.py (same --eval and --cal + --held), and the heal's own held-out blocks (the heal
 data's domain: what "in-domain" means for a heal on `self` alone, where pydoc is out of domain too).
 Gap closed per domain: the share of the student's log-perplexity excess over the teacher that the
 heal removed.

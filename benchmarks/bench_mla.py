@@ -8,7 +8,7 @@ calibration blocks (--cal blocks of --calibration, default `builtin:pydoc+self`;
 it for the refit checks; several calibrations, comma-separated, repeat the rows for each, and an
 evaluation set's name, alone or in a mixture such as `news+builtin:pydoc+self`, calibrates on that
 set's own text after its evaluated blocks: domain-matched) and is evaluated on the evaluation
-sets of bench_cross_domain.py (news, legal: text no calibration saw unless named so; in-domain
+sets of bench_cross_domain.py (news, legal, wiki: text no calibration saw unless named so; in-domain
 pydoc last, which flatters). Reported per row:
 perplexity (ratio to the original) per set, KV-cache bytes per token (as computed from the
 model: latent + rotary key, or K and V heads), and decode tokens/s with a --context token
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=MODEL, help="the model (a tiny local folder for a smoke run)")
     ap.add_argument("--calibration", default="builtin:pydoc+self",
                     help="calibration --data source; several, comma-separated, each run on every row; an evaluation "
-                         "set's name (news, legal) calibrates on that set's own text after its evaluation blocks "
+                         "set's name (news, legal, wiki) calibrates on that set's own text after its evaluation blocks "
                          "(domain-matched: that column is then in-domain, marked in the table)")
     ap.add_argument("--budgets", default="1/3,1/8",
                     help="comma list of FRACTION[:ROPE_DIM]: --kv-cache and --rope-dim of the convert-mla rows "
