@@ -176,10 +176,14 @@ def news_text(folder: Path) -> tuple[Path, dict]:
     return path, meta
 
 
+def _wiki_prose(raw: bytes) -> str:
+    """The wheel's bz2 MediaWiki export as one .txt: articles' body prose, a blank line between articles."""
+    return wikitext.joined(wikitext.plain_articles(_decode(bz2.decompress(raw))))
+
+
 def wiki_text(folder: Path) -> tuple[Path, dict]:
     """Wikipedia articles as plain prose (`wikitext.plain_articles` of the gensim wheel's test dump)."""
-    path, fetched = _cached_gensim_text(
-        folder, WIKI_FILE, WIKI_MEMBER, lambda raw: wikitext.joined(wikitext.plain_articles(_decode(bz2.decompress(raw)))))
+    path, fetched = _cached_gensim_text(folder, WIKI_FILE, WIKI_MEMBER, _wiki_prose)
     text = path.read_text(encoding="utf-8")
     meta = {"name": "wiki", "label": "encyclopedia (Wikipedia)",
             "what": "English Wikipedia articles (the first pages of a 2017 dump: Anarchism, Autism, Albedo, ...) "

@@ -12,8 +12,9 @@ pydoc part of the heal data never reaches the in-domain evaluation blocks (pydoc
 cal + held .. cal + held + eval - 1 of its seeded order: the heal's pydoc share starts after them).
 
 Evaluation: news (Lee corpus), legal (builtin:licenses), wiki (Wikipedia articles), in-domain
-pydoc, exactly the sets of bench_cross_domain.py (same --eval and --cal + --held), and the heal's own held-out blocks (the heal
-data's domain: what "in-domain" means for a heal on `self` alone, where pydoc is out of domain too).
+pydoc, exactly the sets of bench_cross_domain.py (same --eval and --cal + --held), and the heal's
+own held-out blocks (the heal data's domain: what "in-domain" means for a heal on `self` alone,
+where pydoc is out of domain too).
 Gap closed per domain: the share of the student's log-perplexity excess over the teacher that the
 heal removed.
 
@@ -146,7 +147,8 @@ def main() -> None:
         held_after, _ = perplexities(healed.model, held)
         info = res.to_json()
         row = {"heal_data": source, "heal_options": overrides, "healed_on": healed_on, "skip_samples": skip,
-               "seconds": round(heal_s, 1), "steps": info.get("steps"), "tokens": info.get("tokens"), "best_step": info.get("best_step"), "after": after,
+               "seconds": round(heal_s, 1), "steps": info.get("steps"), "tokens": info.get("tokens"),
+               "best_step": info.get("best_step"), "after": after,
                "gap_closed": {n: gap_closed(before[n]["perplexity"], after[n]["perplexity"],
                                             teacher[n]["perplexity"]) for n in evals},
                "heal_heldout": {"blocks": a.eval_samples, "teacher": held_teacher["heal"],
@@ -216,7 +218,8 @@ def render(doc: dict) -> str:
             + (cell if own else "") + f" | {r['seconds']:.0f} |")
     varied = any(r.get("heal_options") for r in doc["rows"])
     lines += ["", f"Student: {doc['student']['made_by']}. Heal: `--train attention`, {doc['settings']['max_steps']} "
-              f"steps{' (unless a row says otherwise)' if varied else ''} of {doc['settings']['batch_size']} x {doc['settings']['seq_len']} tokens. Gap closed: the "
+              f"steps{' (unless a row says otherwise)' if varied else ''} of {doc['settings']['batch_size']} x "
+              f"{doc['settings']['seq_len']} tokens. Gap closed: the "
               "share of the student's log-perplexity excess over the teacher that the heal removed.",
               f"`{doc['command']}`"]
     return "\n".join(lines)
