@@ -49,7 +49,11 @@ def pause(kind):
         return
     (marks / "paused").write_text(str(os.getpid()))
     try:
-        time.sleep(120)
+        # short slices: the kernel may hand a process-directed SIGINT to any thread (torch's
+        # workers included); a single long sleep in the main thread would then see the pending
+        # KeyboardInterrupt only when it ends, a slice sees it within 0.05 s
+        for _ in range(2400):
+            time.sleep(0.05)
     except KeyboardInterrupt:
         (marks / "interrupted-in-write").write_text("")
         raise
