@@ -138,35 +138,41 @@ def _decode(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
-def _gensim_member(member: str) -> tuple[bytes, dict]:
-    """One file of the gensim wheel on PyPI (downloaded to a temporary folder, then dropped)."""
+def _gensim_members(members: list[str]) -> tuple[dict[str, bytes], dict]:
+    """Files of the gensim wheel on PyPI, read in one download (to a temporary folder, then dropped)."""
     with tempfile.TemporaryDirectory(prefix="headtool-gensim-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", GENSIM,
                "-d", tmp, "--quiet"]
-        print(f"fetching {member}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+        print(f"fetching {', '.join(members)}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True)
         wheels = sorted(Path(tmp).glob("gensim-*.whl"))
         if not wheels:
             raise SystemExit(f"pip download {GENSIM} gave no wheel")
         with zipfile.ZipFile(wheels[0]) as z:
-            raw = z.read(member)
-        return raw, {"wheel": wheels[0].name, "wheel_sha256": _sha256(wheels[0]), "member": member}
+            raw = {m: z.read(m) for m in members}
+        return raw, {"wheel": wheels[0].name, "wheel_sha256": _sha256(wheels[0])}
 
 
-def _cached_gensim_text(folder: Path, name: str, member: str, to_text) -> tuple[Path, dict]:
-    """`to_text(member's bytes)` cached as folder/name, with a sidecar .json naming the wheel it came from."""
+def _cached_gensim_text(folder: Path, name: str) -> tuple[Path, dict]:
+    """GENSIM_TEXTS[name] cached as folder/name, with a sidecar .json naming the wheel it came from.
+    A missing text is fetched together with every other missing one: one download of the wheel."""
     path = folder / name
-    sidecar = path.with_suffix(".json")  # which wheel it came from (the text alone does not say)
     if not path.exists():
-        raw, fetched = _gensim_member(member)
-        _write_atomic(sidecar, json.dumps(fetched, indent=2) + "\n")
-        _write_atomic(path, to_text(raw))
+        missing = [n for n in GENSIM_TEXTS if not (folder / n).exists()]
+        raw, fetched = _gensim_members([GENSIM_TEXTS[n][0] for n in missing])
+        for n in missing:
+            member, to_text = GENSIM_TEXTS[n]
+            # the sidecar says which wheel it came from (the text alone does not)
+            _write_atomic((folder / n).with_suffix(".json"), json.dumps({**fetched, "member": member}, indent=2)
+                          + "\n")
+            _write_atomic(folder / n, to_text(raw[member]))
+    sidecar = path.with_suffix(".json")
     return path, json.loads(sidecar.read_text(encoding="utf-8")) if sidecar.exists() else {}
 
 
 def news_text(folder: Path) -> tuple[Path, dict]:
     """The Lee corpus as a .txt (fetched from the gensim wheel once, then read from the cache)."""
-    path, fetched = _cached_gensim_text(folder, NEWS_FILE, LEE_MEMBER, _decode)
+    path, fetched = _cached_gensim_text(folder, NEWS_FILE)
     meta = {"name": "news", "label": "news (Lee corpus)",
             "what": "Lee Background Corpus: 300 ABC news articles, one per line",
             "origin": f"{LEE_MEMBER} in the {GENSIM} wheel on PyPI (gensim: LGPL-2.1; the text is not committed)",
@@ -181,9 +187,13 @@ def _wiki_prose(raw: bytes) -> str:
     return wikitext.joined(wikitext.plain_articles(_decode(bz2.decompress(raw))))
 
 
+# the texts taken from the gensim wheel: cached name -> (wheel member, bytes -> text)
+GENSIM_TEXTS = {NEWS_FILE: (LEE_MEMBER, _decode), WIKI_FILE: (WIKI_MEMBER, _wiki_prose)}
+
+
 def wiki_text(folder: Path) -> tuple[Path, dict]:
     """Wikipedia articles as plain prose (`wikitext.plain_articles` of the gensim wheel's test dump)."""
-    path, fetched = _cached_gensim_text(folder, WIKI_FILE, WIKI_MEMBER, _wiki_prose)
+    path, fetched = _cached_gensim_text(folder, WIKI_FILE)
     text = path.read_text(encoding="utf-8")
     meta = {"name": "wiki", "label": "encyclopedia (Wikipedia)",
             "what": "English Wikipedia articles (the first pages of a 2017 dump: Anarchism, Autism, Albedo, ...) "

@@ -59,3 +59,34 @@ def test_pages_skip_redirects_and_other_namespaces():
     articles = wikitext.plain_articles(xml)
     assert articles == [body]
     assert wikitext.joined(articles + articles) == f"{body}\n\n{body}\n"
+
+
+def test_gensim_texts_are_fetched_in_one_download_and_cached(tmp_path, monkeypatch):
+    """A fresh machine downloads the gensim wheel once for the news and the wiki sets, not once each;
+    afterwards both are read from the cache."""
+    import bz2
+
+    import bench_cross_domain as bench
+
+    ns = "http://www.mediawiki.org/xml/export-0.10/"
+    body = f"Body text of {WORDS} here."
+    xml = f'<mediawiki xmlns="{ns}"><page><title>A</title><ns>0</ns><revision><text>{body}</text></revision></page>' \
+          "</mediawiki>"
+    members = {bench.LEE_MEMBER: b"First news line.\nSecond news line.\n",
+               bench.WIKI_MEMBER: bz2.compress(xml.encode())}
+    calls = []
+
+    def fake_fetch(wanted):
+        calls.append(list(wanted))
+        return {m: members[m] for m in wanted}, {"wheel": "gensim-fake.whl", "wheel_sha256": "0" * 64}
+
+    monkeypatch.setattr(bench, "_gensim_members", fake_fetch)
+    wiki_path, wiki_meta = bench.wiki_text(tmp_path)
+    news_path, news_meta = bench.news_text(tmp_path)
+    assert calls == [[bench.LEE_MEMBER, bench.WIKI_MEMBER]]  # one download for both
+    assert wiki_path.read_text(encoding="utf-8") == f"{body}\n" and wiki_meta["articles"] == 1
+    assert news_meta["lines"] == 2 and news_meta["member"] == bench.LEE_MEMBER
+    assert wiki_meta["member"] == bench.WIKI_MEMBER and wiki_meta["wheel"] == "gensim-fake.whl"
+    bench.news_text(tmp_path)
+    bench.wiki_text(tmp_path)
+    assert len(calls) == 1  # cached
