@@ -234,6 +234,16 @@ def speed_section(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _heal_options_compared(rows: list[dict]) -> str:
+    """The options the rows vary, as flags (`--lr 0.001; --hidden-weight 1 --hidden-layers all`):
+    tables of different option sets then carry different titles."""
+    def flag(key: str, value) -> str:
+        return f"--{key.replace('_', '-')} {f'{value:g}' if isinstance(value, float) else value}"
+
+    return "; ".join(" ".join(flag(k, v) for k, v in r["heal_options"].items())
+                     for r in rows if r.get("heal_options"))
+
+
 def heal_cross_domain_section(doc: dict) -> str:
     from fractions import Fraction
 
@@ -247,7 +257,7 @@ def heal_cross_domain_section(doc: dict) -> str:
     return "\n".join([
         f"### Healing{' with the served text mixed in' if served else ', out of domain'}: SmolLM2-135M {student} "
         "healed on " + " or on ".join(f"`{h}`" for h in dict.fromkeys(r["heal_data"] for r in doc["rows"]))
-        + (": heal options compared" if variants else ""),
+        + (f": heal options compared ({_heal_options_compared(doc['rows'])})" if variants else ""),
         "",
         ("The student is the uniform-rank convert-mla row of the latent-attention table below, with the "
          if mla else "The same student, with the ") +
