@@ -10,6 +10,7 @@ import typer.main
 
 from headtool.cli import app
 from headtool.data.sources import DataSpec
+from headtool.model.placement import LoadOptions
 from headtool.optionspec import CLI_ONLY, RECIPE, STEP, options_of, problem
 from headtool.workflows import requests
 from headtool.workflows.recipe_runner import build_request
@@ -34,7 +35,7 @@ NOT_STEP_OPTIONS = {
     "batch": "eval --speed", "context": "eval --speed", "new_tokens": "eval --speed", "repeats": "eval --speed",
     "warmup": "eval --speed",
 }
-MODEL_OPTIONS = ("dtype", "device", "trust_remote_code", "device_map", "max_memory")
+MODEL_OPTIONS = {o.name: o for o in options_of(LoadOptions)}  # --dtype ... and the recipe's top-level keys
 
 
 def _cli_params(command: str) -> dict:
@@ -72,7 +73,7 @@ def test_every_cli_option_of_a_step_is_a_recipe_key_with_the_same_default(step):
             if name != "source":  # each command picks its default source; recipes take the recipe's
                 assert param.default == data_opts[name].default == getattr(built.data, name), (step, name)
         elif name in MODEL_OPTIONS:
-            assert name in TOP_KEYS
+            assert name in TOP_KEYS and param.default == MODEL_OPTIONS[name].default, (step, name)
         else:
             assert name in NOT_STEP_OPTIONS, f"{step}: --{name} is declared outside its request dataclass"
 
@@ -143,3 +144,19 @@ def test_the_cli_rejects_what_the_recipe_rejects(tmp_path):
     res = CliRunner().invoke(app, ["score", "x", "--normalize", "sideways"])
     assert res.exit_code == 2 and "--normalize must be one of auto, layer, none, got 'sideways'" in res.output
     assert STEP_KEYS["score"]["normalize"]("sideways") == "must be one of auto, layer, none, got 'sideways'"
+
+
+def test_model_options_are_declared_once_for_every_command_and_recipes():
+    """--dtype, --device, ... come from LoadOptions' fields: every command that loads a model has
+    all of them with LoadOptions' defaults, and a recipe's top-level key checks what they check."""
+    group = typer.main.get_command(app)
+    loading = [name for name, cmd in group.commands.items() if {p.name for p in cmd.params} & set(MODEL_OPTIONS)]
+    assert {"info", "inspect", "eval", "score", "prune", "convert-gqa", "convert-mla", "heal"} <= set(loading)
+    for name in loading:
+        params = _cli_params(name)
+        for key, opt in MODEL_OPTIONS.items():
+            assert params[key].default == opt.default and params[key].opts[0] == opt.flag, (name, key)
+            assert TOP_KEYS[key]("float64" if key == "dtype" else 3) == problem(opt, "float64" if key == "dtype"
+                                                                               else 3), key
+    assert TOP_KEYS["dtype"]("float64") == "must be one of auto, float32, bfloat16, float16, got 'float64'"
+    assert TOP_KEYS["dtype"]("bfloat16") is None

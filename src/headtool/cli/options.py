@@ -23,24 +23,6 @@ _UNSET = object()
 PACKED = ("load", "data_spec", "fields")  # what the decorators hand the command instead of its options
 
 
-_MODEL_PARAMS = [
-    inspect.Parameter("dtype", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=Annotated[
-        str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16", rich_help_panel="Model")]),
-    inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=Annotated[
-        str, typer.Option("--device", help="auto | cpu | cuda | mps", rich_help_panel="Model")]),
-    inspect.Parameter("trust_remote_code", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
-        bool, typer.Option("--trust-remote-code", help="run the model's own code (off by default)",
-                           rich_help_panel="Model")]),
-    inspect.Parameter("device_map", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-        Optional[str], typer.Option("--device-map", help="'auto': spread a model larger than one device over "
-                                    "GPUs/CPU with accelerate (offload)", rich_help_panel="Model")]),
-    inspect.Parameter("max_memory", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-        Optional[str], typer.Option("--max-memory", help="with --device-map: caps per device, e.g. "
-                                    "'0=70GiB,cpu=200GiB' (the rest is offloaded to disk)",
-                                    rich_help_panel="Model")]),
-]
-
-
 def option_param(opt: Opt, *, default_override: Any = _UNSET) -> inspect.Parameter:
     """One declared option (headtool.optionspec) as a Typer parameter: flags, help, panel, default."""
     t = opt.type
@@ -96,6 +78,9 @@ def _inject(fn: Callable, extra: list[inspect.Parameter], pack: Callable[[dict],
     wrapper.__signature__ = sig.replace(parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
                                                     for p in new if p.name not in PACKED])
     return wrapper
+
+
+_MODEL_PARAMS = [option_param(o) for o in options_of(LoadOptions)]
 
 
 def model_options(fn: Callable) -> Callable:

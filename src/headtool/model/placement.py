@@ -3,28 +3,37 @@ recipes' top-level keys. Kept free of torch so that `headtool --help` starts fas
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..io.sizes import parse_size
+from ..optionspec import RECIPE, option
 from .refs import cache_dir
 
 if TYPE_CHECKING:
     import torch
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class LoadOptions:
-    dtype: str = "auto"
-    device: str = "auto"
-    trust_remote_code: bool = False
-    device_map: str | None = None
-    max_memory: str | None = None
+    """How a model is loaded and placed. Declared once: every command's Model options and a
+    recipe's top-level keys of the same names are derived from these fields."""
+
+    dtype: str = option("auto", " | ".join(DTYPES), panel="Model", choices=DTYPES, where=RECIPE)
+    device: str = option("auto", "auto | cpu | cuda | mps", panel="Model", where=RECIPE)
+    trust_remote_code: bool = option(False, "run the model's own code (off by default)", panel="Model",
+                                     flags=("--trust-remote-code",), where=RECIPE)
+    device_map: str | None = option(None, "'auto': spread a model larger than one device over GPUs/CPU with "
+                                    "accelerate (offload)", panel="Model", where=RECIPE)
+    max_memory: str | None = option(None, "with --device-map: caps per device, e.g. '0=70GiB,cpu=200GiB' (the rest "
+                                    "is offloaded to disk)", panel="Model", where=RECIPE)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "device": self.device, "trust_remote_code": self.trust_remote_code,
-                "device_map": self.device_map, "max_memory": self.max_memory}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def sequential_placement(load: LoadOptions, sequential: bool) -> tuple[LoadOptions, Any]:

@@ -263,9 +263,8 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     out = output or v.get("output")
     ow = bool(v.get("overwrite")) if overwrite is None else overwrite
     load, calib_device = sequential_placement(
-        LoadOptions(dtype=v.get("dtype", "auto"), device=v.get("device", "auto"),
-                    trust_remote_code=bool(v.get("trust_remote_code")), device_map=v.get("device_map"),
-                    max_memory=v.get("max_memory")), bool(v.get("sequential")))
+        LoadOptions(**{o.name: v[o.name] for o in options_of(LoadOptions) if v.get(o.name) is not None}),
+        bool(v.get("sequential")))
     rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "convert_mla", "heal")})
     lm = load_model(v["model"], rewrites=f"the recipe ({', '.join(rewrites)})" if rewrites else None, **load.kwargs())
     ctx = Context(recipe, lm, calib_device=calib_device)

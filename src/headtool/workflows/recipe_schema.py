@@ -20,6 +20,7 @@ import yaml
 
 from ..data.sources import DataSpec, parse_sources
 from ..errors import UsageError
+from ..model.placement import LoadOptions
 from ..optionspec import STEP, Opt, options_of, problem
 from ..train.options import HealOptions
 from .requests import ConvertRequest, EvalRequest, HealRequest, LatentRequest, PruneRequest, ScoreRequest
@@ -33,12 +34,6 @@ def _type(*types: type, what: str) -> Check:
         if isinstance(v, bool) and bool not in types:
             return f"must be {what}, got {v!r}"
         return None if isinstance(v, types) else f"must be {what}, got {v!r}"
-    return check
-
-
-def _enum(*values: str) -> Check:
-    def check(v: Any) -> str | None:
-        return None if v in values else f"must be one of {', '.join(values)}, got {v!r}"
     return check
 
 
@@ -91,9 +86,8 @@ STEP_KEYS: dict[str, dict[str, Check | str]] = {name: _step_schema(name) for nam
 STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads"), "convert_mla": ("kv_rank", "kv_cache")}
 
 TOP_KEYS: dict[str, Check | str] = {
-    "name": _STR, "description": _STR, "model": _STR, "dtype": _enum("auto", "float32", "bfloat16", "float16"),
-    "device": _STR, "seed": _int_min(0), "trust_remote_code": _BOOL, "data": _DATA, "output": _STR,
-    "overwrite": _BOOL, "shard_size": _STR, "sequential": _BOOL, "device_map": _STR, "max_memory": _STR,
+    "name": _STR, "description": _STR, "model": _STR, **{o.name: _opt_check(o) for o in options_of(LoadOptions)},
+    "seed": _int_min(0), "data": _DATA, "output": _STR, "overwrite": _BOOL, "shard_size": _STR, "sequential": _BOOL,
     "steps": "steps",
 }
 
