@@ -88,3 +88,13 @@ def test_head_surgery_after_convert_mla_and_bad_ranks_are_refused_before_running
     assert r.exit_code == 2 and "2 problem(s)" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "--kv-rank 99" in r.stderr and "prune after convert_mla is not supported" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_summary_kv_column_names_a_uniform_latent_once():
+    """The run summary showed `latent 120..120+72` for the per-layer ranks of a uniform budget."""
+    from headtool.cli.commands.run import _kv
+
+    assert _kv({"kv_rank": [120] * 30, "rope_dim": 72}) == "latent 120+72"
+    assert _kv({"kv_rank": [96, 120, 144], "rope_dim": 72}) == "latent 96..144+72"
+    assert _kv({"kv_rank": 80, "rope_dim": 48}) == "latent 80+48"
+    assert _kv({"kv_rank": None, "kv_heads": 3}) == "3"

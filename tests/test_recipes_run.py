@@ -166,7 +166,7 @@ def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_fold
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     data = {r["step"]: r.get("data") for r in summary["steps"][1:4]}
-    assert data == {"score": "builtin:pydoc+self", "prune": "builtin:pydoc+self", "convert_gqa": "builtin:pydoc+self"}
+    assert data == {"score": "builtin:pydoc+self", "prune": "builtin:pydoc+self", "convert_mla": "builtin:pydoc+self"}
     lines = quality_lines(summary)
     assert lines[0] == "calibrated on builtin:pydoc+self"
     assert lines[1].startswith("perplexity on builtin:licenses, a domain no step saw: ")

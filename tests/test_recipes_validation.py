@@ -93,7 +93,7 @@ def test_the_demo_description_says_what_its_steps_do():
     assert len(parts) == len(recipe.steps), parts
     for part, step in zip(parts, recipe.steps):
         name = step["step"]
-        assert part.split()[0] == {"convert_gqa": "merge"}.get(name, name), part
+        assert part.split()[0] == {"convert_gqa": "merge", "convert_mla": "convert"}.get(name, name), part
         if name == "score":
             assert f"({step['method']})" in part
         elif name == "prune":
@@ -103,6 +103,10 @@ def test_the_demo_description_says_what_its_steps_do():
             assert ("(compensated)" in part) == bool(step.get("compensate")), part
         elif name == "convert_gqa":
             assert f"to {step['kv_heads']} KV head" in part and f"({step['merge']})" in part, part
+        elif name == "convert_mla":
+            from fractions import Fraction
+
+            assert f"latent attention at {Fraction(step['kv_cache']).limit_denominator(16)} of the KV cache" in part
         elif name == "eval":
             data = step.get("data") or {}
             assert ("held-out" in part) == bool(data.get("skip_samples")), part

@@ -1,4 +1,4 @@
-"""`headtool demo`: score -> prune -> convert-gqa -> eval on SmolLM2-135M, offline, in minutes."""
+"""`headtool demo`: score -> prune -> convert-mla -> eval on SmolLM2-135M, offline, in minutes."""
 from __future__ import annotations
 
 from importlib import resources

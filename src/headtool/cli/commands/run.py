@@ -13,7 +13,7 @@ def _kv(row: dict) -> str:
     if row.get("kv_rank") is None:
         return str(row["kv_heads"])
     r = row["kv_rank"]
-    rank = f"{min(r)}..{max(r)}" if isinstance(r, list) else str(r)
+    rank = (f"{min(r)}..{max(r)}" if min(r) != max(r) else str(r[0])) if isinstance(r, list) else str(r)
     return f"latent {rank}+{row['rope_dim']}"
 
 
