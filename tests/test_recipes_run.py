@@ -157,7 +157,7 @@ def test_offloaded_recipe_scores_and_evaluates_but_refuses_rewrites(tiny_folders
 def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_folders, tmp_path):
     """Issue 18: the demo says which text it was calibrated on and reports the perplexity on a
     domain no step saw (builtin:licenses) before the flattering in-domain figure."""
-    from headtool.cli.commands.demo import quality_lines
+    from headtool.cli.commands.demo import outputs_line, quality_lines
 
     recipe = next(p for p in RECIPES if p.stem == "demo")
     res = runner.invoke(app, ["run", str(recipe), "--set", f"model={tiny_folders['decoder']}",
@@ -167,6 +167,10 @@ def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_fold
     summary = json.loads(res.stdout)
     data = {r["step"]: r.get("data") for r in summary["steps"][1:4]}
     assert data == {"score": "builtin:pydoc+self", "prune": "builtin:pydoc+self", "convert_mla": "builtin:pydoc+self"}
+    assert outputs_line("headtool-demo", summary | {"output": {"config_kind": "headtool-remote-code"}}) == (
+        "outputs in headtool-demo/: scores.json, model/ (reload with headtool, or with transformers: "
+        "AutoModelForCausalLM.from_pretrained('headtool-demo/model', trust_remote_code=True))")
+    assert outputs_line("d", {"output": {"config_kind": "standard"}}).endswith("from_pretrained('d/model'))")
     lines = quality_lines(summary)
     assert lines[0] == "calibrated on builtin:pydoc+self"
     assert lines[1].startswith("perplexity on builtin:licenses, a domain no step saw: ")

@@ -51,9 +51,18 @@ def demo_cmd(
     render_summary(result)
     for line in quality_lines(result):
         info(line)
-    info(f"outputs in {out}/: scores.json, model/ (reload with headtool or transformers)")
+    info(outputs_line(out, result))
     if json_out:
         print_json(result)
+
+
+def outputs_line(out, result: dict) -> str:
+    """Where the outputs are and how transformers reloads the model (remote code needs the flag)."""
+    from ...io.output import REMOTE_CODE
+
+    flag = ", trust_remote_code=True" if result["output"]["config_kind"] == REMOTE_CODE else ""
+    return (f"outputs in {out}/: scores.json, model/ (reload with headtool, or with transformers: "
+            f"AutoModelForCausalLM.from_pretrained({str(out) + '/model'!r}{flag}))")
 
 
 def quality_lines(result: dict) -> list[str]:
