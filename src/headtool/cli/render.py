@@ -23,14 +23,19 @@ def human_bytes(n: int | float) -> str:
     return f"{n:.0f} B"
 
 
-def _fmt_list(v: Any, every: bool = False) -> str:
-    """One value, or a per-layer range (`every`: each layer's value)."""
+def value_range(v: Any) -> str:
+    """One value, or a per-layer list as `lo..hi` (a list of equal values as that value)."""
     if isinstance(v, list):
         lo, hi = min(v), max(v)
-        if lo == hi:
-            return str(lo)
-        return f"{', '.join(map(str, v))} (per layer)" if every else f"{lo}..{hi} (per layer)"
+        return str(lo) if lo == hi else f"{lo}..{hi}"
     return str(v)
+
+
+def _fmt_list(v: Any, every: bool = False) -> str:
+    """One value, or a per-layer range (`every`: each layer's value)."""
+    if not isinstance(v, list) or min(v) == max(v):
+        return value_range(v)
+    return f"{', '.join(map(str, v))} (per layer)" if every else f"{value_range(v)} (per layer)"
 
 
 def info_table(ref: str, f: dict[str, Any]) -> Table:

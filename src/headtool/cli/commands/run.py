@@ -12,9 +12,9 @@ def _kv(row: dict) -> str:
     """KV heads, or the latent of latent attention (kv_rank + rotary key dims per layer)."""
     if row.get("kv_rank") is None:
         return str(row["kv_heads"])
-    r = row["kv_rank"]
-    rank = (f"{min(r)}..{max(r)}" if min(r) != max(r) else str(r[0])) if isinstance(r, list) else str(r)
-    return f"latent {rank}+{row['rope_dim']}"
+    from ..render import value_range
+
+    return f"latent {value_range(row['kv_rank'])}+{row['rope_dim']}"
 
 
 def render_summary(result: dict) -> None:
