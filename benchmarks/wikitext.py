@@ -2,7 +2,7 @@
 
 The gensim wheel on PyPI carries a shortened English Wikipedia dump for its own tests
 (`gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2`:
-about 200 articles, 6 MB of markup). `plain_articles` turns it into what a reader sees: the
+106 articles, 6 MB of markup). `plain_articles` turns it into what a reader sees: the
 article's body paragraphs, without templates, references, tables, files, lists, headings or the
 trailing See also / References sections. Its job is a faithful enough English text to measure
 perplexity on, not a full wikitext parser: markup it does not know is left in place, and
