@@ -335,6 +335,9 @@ def main() -> None:
     ap.add_argument("--protect", default="0",
                     help="semicolon list of --protect-layers settings for the prune rows (one row each), e.g. "
                          "'none;0'")
+    ap.add_argument("--normalize", default="auto",
+                    help="semicolon list of prune --normalize settings for the prune rows (one row each), e.g. "
+                         "'layer;none;auto'")
     ap.add_argument("--anchors", default="1",
                     help="comma list of --anchor values for the refits (--compensate and fit); one row each")
     ap.add_argument("--auto-heldout", default="",
@@ -357,6 +360,7 @@ def main() -> None:
     compensations = [{"on": True, "off": False}[c.strip()] for c in a.compensate.split(",") if c.strip()]
     anchors = [x.strip() for x in a.anchors.split(",") if x.strip()]
     protects = [x.strip() for x in a.protect.split(";") if x.strip()]
+    normalizes = [x.strip() for x in a.normalize.split(";") if x.strip()]
     auto_heldout = dict(pair.split("=", 1) for pair in a.auto_heldout.split(",") if pair.strip())
     bad = [m for m in merges if m not in MERGES]
     if bad:
@@ -388,7 +392,7 @@ def main() -> None:
            "settings": {"calibrations": calibrations, "fractions": fractions, "merges": merges, "cal": a.cal,
                         "held": a.held, "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
                         "scores": scores, "ablation_for": ablation_for, "ablation_blocks": a.ablation_blocks,
-                        "compensate": compensations, "anchors": anchors, "protect": protects, "auto_heldout": auto_heldout,
+                        "compensate": compensations, "anchors": anchors, "protect": protects, "normalize": normalizes, "auto_heldout": auto_heldout,
                         "prune": "prune_loaded (scores from score_loaded on the calibration blocks): with and "
                                  "without --compensate (--choose-in-layer auto, no held-out check unless "
                                  "--heldout-data)",
@@ -443,23 +447,25 @@ def main() -> None:
             log(f"calibration {cal_source}: data {data_s:.1f} s, {method} scores {record['score_seconds'][method]} s")
 
         def prune_row(fraction: float, method: str, compensate: bool, anchor: str,
-                      heldout: str | None = None, protect: str = protects[0]) -> None:
+                      heldout: str | None = None, protect: str = protects[0], normalize: str = normalizes[0]) -> None:
             t0 = time.perf_counter()
             model = copy.deepcopy(lm.model)
             plm = model_from_object(model, tok, ref=MODEL)
             extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
                                               max_samples=a.held, seed=0)} if heldout else {}
             req = PruneRequest(model=MODEL, fraction=fraction, compensate=compensate, data=spec, anchor=anchor,
-                               protect_layers=protect, **extra)
-            done = prune_loaded(plm, req, scores=scored[method].result.scores, text_model=lm)
+                               protect_layers=protect, normalize=normalize, **extra)
+            done = prune_loaded(plm, req, scores=scored[method].result, text_model=lm)
             prune_s = time.perf_counter() - t0
-            ev, eval_s = ppl_all(model)
+            del model  # plm.model is the pruned model (the winning candidate when normalizations were compared)
+            ev, eval_s = ppl_all(plm.model)
             s = done.result.summary()
             add({"change": f"{fraction:.0%} of query heads removed", "kind": "prune", "fraction": fraction,
                  "calibration": cal_source, "calibrated_on": calibrated_on, "scores": method,
                  "heads_removed": s["heads_removed"],
                  "compensate": compensate, "anchor": anchor if compensate else None, "heldout_data": heldout,
-                 "protect_layers": protect, "removed_per_layer": [len(r) for r in done.result.selection.removed(
+                 "protect_layers": protect, "normalize": normalize, "allocation": done.result.allocation,
+                 "removed_per_layer": [len(r) for r in done.result.selection.removed(
                      done.result.geometry_before)],
                  "choose_in_layer": done.result.choice if compensate else None, "eval": ev,
                  "surgery_seconds": round(prune_s, 1), "eval_seconds": round(eval_s, 1),
@@ -488,7 +494,9 @@ def main() -> None:
                 for compensate in compensations:
                     for anchor in (anchors if compensate else anchors[:1]):
                         for protect in protects:
-                            prune_row(fraction, method, compensate, anchor, protect=protect)
+                            for normalize in normalizes:
+                                prune_row(fraction, method, compensate, anchor, protect=protect,
+                                          normalize=normalize)
         for method in merges:
             if method in DATA_FREE_MERGES and any(r.get("method") == method for r in doc["rows"]):
                 continue  # needs no data: the same model whatever the calibration
@@ -519,6 +527,10 @@ def render(doc: dict) -> str:
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
             change += f", `--compensate --anchor {r.get('anchor') or 0}`" if r.get("compensate") else ", no refit"
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
+            if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)
+                chosen = (r.get("allocation") or {}).get("normalize")
+                change += f", `--normalize {r['normalize']}`" + (
+                    f" (chose {chosen})" if chosen and chosen != r["normalize"] else "")
         elif r["kind"] == "convert" and r.get("refit"):
             change += f" + refit `--anchor {r.get('anchor') or 0}`"
         if r.get("heldout_data"):

@@ -59,6 +59,24 @@ def protect_section(doc: dict) -> str:
     ])
 
 
+def normalize_section(doc: dict) -> str:
+    from bench_cross_domain import render
+
+    st = doc["settings"]
+    return "\n".join([
+        f"### How many heads each layer loses (`--normalize`): SmolLM2-135M, {st['cal']} calibration blocks, "
+        "no training",
+        "",
+        "The same gradient scores, normalized per layer (`layer`, Michel et al. 2019: what prune used before "
+        "the option) or raw (`none`: first-order estimates of the loss each head costs, on one scale across "
+        "layers), and `auto`, prune's default with `--compensate`: both pruned and refit, the one with the lower "
+        f"loss on held-out blocks of the calibration source kept (a quarter of the calibration, {st['cal'] // 4} "
+        "blocks after it; no evaluation text takes part in the choice). Columns as in the table above.",
+        "",
+        render(doc),
+    ])
+
+
 def served_section(doc: dict) -> str:
     from bench_cross_domain import render
 
@@ -341,7 +359,8 @@ def mla_calibration_section(doc: dict) -> str:
     ])
 
 
-SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_protect_*.json", protect_section),
+SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normalize*.json", normalize_section),
+            ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_calibration*.json", mla_calibration_section),

@@ -49,6 +49,9 @@ class PruneResult:
     compensation: list[dict] = field(default_factory=list)
     choice: str = "scores"
     elapsed_s: float = 0.0
+    #: how many heads each layer lost came from scores normalized so ({"normalize", "candidates": [...]},
+    #: with the held-out losses when several were compared); None: the scores as they were given
+    allocation: dict | None = None
 
     def layers(self) -> list[dict[str, Any]]:
         rows = []
@@ -71,7 +74,22 @@ class PruneResult:
             out["eval"] = {"before": self.eval_before, "after": self.eval_after}
         if self.compensation:
             out["compensation"] = self.compensation
+        if self.allocation:
+            out["allocation"] = self.allocation
         return out
+
+    def allocation_line(self) -> str | None:
+        """One sentence on the layer allocation: which normalization, and what it was compared with."""
+        a = self.allocation
+        if not a:
+            return None
+        others = [c for c in a["candidates"] if c["normalize"] != a["normalize"] and "heldout_loss" in c]
+        if not others:
+            return f"heads per layer from scores normalized {a['normalize']}"
+        mine = next(c for c in a["candidates"] if c["normalize"] == a["normalize"])
+        vs = ", ".join(f"{c['normalize']} {c['heldout_loss']:.4f}" for c in others)
+        return (f"heads per layer from scores normalized {a['normalize']}: held-out loss {mine['heldout_loss']:.4f} "
+                f"against {vs} ({a['heldout_blocks']} blocks)")
 
 
 def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int]) -> LayerHeads:
@@ -206,5 +224,7 @@ def markdown_table(result: PruneResult, config_kind: str) -> str:
         lines += ["", ("Output-projection refit per layer (relative errors before → after; anchor: strength "
                        "toward the unrefit weights, - where the refit was rejected):"), "",
                   refit_table(result.compensation)]
+    if result.allocation_line():
+        lines += ["", f"Layer allocation: {result.allocation_line()}."]
     lines += ["", f"Config kind: {config_kind}."]
     return "\n".join(lines)

@@ -2,8 +2,9 @@
 or listed) and write a checkpoint that reloads; optionally refit the output projections."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import copy
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 from ..console import info
 from ..data.batches import make_batches, resolve_auto
@@ -11,14 +12,16 @@ from ..data.sources import DataSpec, is_auto, reads_stdin
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
 from ..io.sizes import parse_size
+from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import read_scores
-from ..measure.scoring import DATA_METHODS, score_heads
+from ..measure.scoring import DATA_METHODS, ScoreResult, normalize_scores, score_heads
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
 from ..model.placement import require_resident_weights, sequential_placement
 from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, prune
 from ..surgery.selection import (
+    Selection,
     Target,
     check_target,
     parse_heads,
@@ -28,7 +31,7 @@ from ..surgery.selection import (
 )
 from ..surgery.streaming import prune_checkpoint_streaming
 from .data_plan import eval_spec, heldout_spec, with_default_blocks
-from .requests import PruneRequest, parse_anchor
+from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
 
 
 @dataclass
@@ -67,6 +70,9 @@ def run_prune(req: PruneRequest) -> PruneRun:
         if not given or req.compensate or req.eval_data or req.dry_run:
             raise UsageError("--streaming needs no forward pass: give --scores or --heads, and no "
                              "--compensate, --eval-data or --dry-run")
+        if req.normalize != "auto":
+            raise UsageError("--streaming takes the scores as they were scored: leave out --normalize (or score "
+                             "with `headtool score --normalize`)")
         target_for = None if req.heads is not None else lambda num_layers: prune_target(req, num_layers)
         written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
                                              target_for=target_for, min_heads=req.min_heads_per_layer,
@@ -86,6 +92,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
     kind = output_kind(lm.model)
     summary = result.summary()
     options = {"target": target.describe() if target else None, "heads": req.heads, "compensate": req.compensate,
+               "normalize": result.allocation["normalize"] if result.allocation else None,
                "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
                "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
                "anchor": req.anchor if req.compensate else None,
@@ -124,10 +131,14 @@ class Pruned:
 
 
 def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
-                 scores: list[list[float]] | None = None, text_model: LoadedModel | None = None) -> Pruned:
+                 scores: ScoreResult | list[list[float]] | None = None,
+                 text_model: LoadedModel | None = None) -> Pruned:
     """Choose the heads (listed, from `scores`, from req.scores or by scoring now on req.data),
-    prune them in place (refitting with req.compensate); `headtool prune` and recipe steps.
-    text_model: the model `--data self` samples from (default lm; a recipe passes the original)."""
+    prune them (refitting with req.compensate); `headtool prune` and recipe steps. lm.model is the
+    pruned model afterwards: pruned in place, or, when normalizations are compared, the winning
+    candidate (the others were pruned on copies). `scores`: an earlier score step's result (a bare
+    matrix cannot be renormalized). text_model: the model `--data self` samples from (default lm;
+    a recipe passes the original)."""
     tm = text_model or lm
     geometry = lm.geometry
     spec = with_default_blocks(req.data, req.default_blocks)
@@ -144,19 +155,118 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         raise UsageError(f"{req.model}: no tokenizer files beside the model; --data / --eval-data need them")
     spec = resolve_auto(spec, lm.tokenizer, tm, "plain")
     score_info: dict = {}
+    candidates: dict[str, Selection] = {}
     if target is not None:
-        if scores is not None:
-            matrix, score_info = scores, {"from": "an earlier score step"}
+        if isinstance(scores, ScoreResult):
+            scored = Scored(scores.scores, scores.raw_scores, scores.normalize, scores.method,
+                            bool(scores.removal_order))
+            score_info = {"from": "an earlier score step"}
+        elif scores is not None:
+            scored, score_info = Scored(scores), {"from": "an earlier score step"}
         else:
-            matrix, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm)
-        selection = select_heads(matrix, geometry, target)
-    calib, heldout, eval_batches, eval_objective, eval_info = _data(
-        lm, spec, req, tm)
-    result = prune(lm, selection, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
-                   compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
-                   damping=req.damping, anchor=parse_anchor(req.anchor), eval_batches=eval_batches,
-                   objective=eval_objective, calib_device=calib_device)
+            scored, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm)
+        modes = normalizations(req, scored, spec, lm.task)
+        candidates = {m: select_heads(scored.matrix(m), geometry, target) for m in modes or [None]}
+        selection = next(iter(candidates.values()))
+    compared = len({c.kept for c in candidates.values()}) > 1
+    calib, heldout, eval_batches, eval_objective, eval_info, compare_batches = _data(lm, spec, req, tm, compared)
+
+    def run(trial: LoadedModel, chosen: Selection, evaluation=eval_batches) -> PruneResult:
+        return prune(trial, chosen, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
+                     compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
+                     damping=req.damping, anchor=parse_anchor(req.anchor), eval_batches=evaluation,
+                     objective=eval_objective, calib_device=calib_device)
+
+    if compared:
+        result = _best_allocation(lm, candidates, run, compare_batches, eval_batches,
+                                  resolve_objective(req.objective, lm.task, None))
+    else:
+        result = run(lm, selection)
+        if candidates and next(iter(candidates)) is not None:
+            result.allocation = {"normalize": next(iter(candidates)), "candidates": [
+                {"normalize": m, "removed_per_layer": _per_layer(c, geometry)} for m, c in candidates.items()]}
     return Pruned(result, target, score_info, eval_info, spec)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The scores selection reads, and what renormalizing them needs (raw scores, their method;
+    iterative scores follow their removal order and are used as they are)."""
+
+    scores: list[list[float]]
+    raw: list[list[float]] | None = None
+    normalize: str | None = None
+    method: str | None = None
+    iterative: bool = False
+
+    def matrix(self, mode: str | None) -> list[list[float]]:
+        return self.scores if mode is None or mode == self.normalize else normalize_scores(self.raw, mode)
+
+
+def normalizations(req: PruneRequest, scored: Scored, spec: DataSpec | None, task: str) -> list[str] | None:
+    """The score normalizations to prune with and compare (None: the scores as they are)."""
+    modes = [m.strip() for m in req.normalize.split(",") if m.strip()]
+    if not modes or any(m not in NORMALIZATIONS for m in modes) or ("auto" in modes and len(modes) > 1):
+        raise UsageError(f"--normalize {req.normalize!r}: use auto, or one or more of layer, none separated by "
+                         "commas")
+    objective = resolve_objective(req.objective, task, None)
+    if modes == ["auto"]:
+        comparable = (req.compensate and scored.raw is not None and not scored.iterative
+                      and scored.method in DATA_METHODS and req.threshold is None and objective in ("lm", "mlm")
+                      and spec is not None and spec.max_samples is not None)
+        return ["layer", "none"] if comparable else None
+    modes = list(dict.fromkeys(modes))
+    if scored.raw is None:
+        raise UsageError("--normalize needs raw scores (a document from `headtool score`, or scoring now); these "
+                         "scores have none")
+    if scored.iterative:
+        raise UsageError("iterative scores follow the order in which heads fell; --normalize does not apply to them")
+    if len(modes) > 1:
+        if spec is None or spec.max_samples is None:
+            raise UsageError("comparing normalizations needs held-out blocks of --data: pass --data with "
+                             "--max-samples")
+        if objective not in ("lm", "mlm"):
+            raise UsageError(f"comparing normalizations needs a loss on held-out text (objective {objective} has "
+                             "none here): give one --normalize")
+    return modes
+
+
+def _per_layer(selection: Selection, geometry) -> list[int]:
+    return [len(r) for r in selection.removed(geometry)]
+
+
+def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, held: Sequence[dict],
+                     eval_batches, objective: str) -> PruneResult:
+    """Prune with every candidate selection and keep the lowest loss on the held-out blocks: the
+    earlier candidates on copies, the last in place; lm.model is the winner afterwards."""
+    geometry = lm.geometry
+    eval_before = evaluate(lm.model, eval_batches, objective, label="eval") if eval_batches else None
+    rows: list[dict] = []
+    best: tuple[float, str, PruneResult, Any] | None = None
+    groups: dict[tuple, list[str]] = {}
+    for mode, sel in candidates.items():
+        groups.setdefault(sel.kept, []).append(mode)
+    distinct = list(groups.values())
+    for i, modes in enumerate(distinct):
+        trial = lm if i == len(distinct) - 1 else replace(lm, model=copy.deepcopy(lm.model))
+        info(f"layer allocation: scores normalized {' = '.join(modes)}")
+        result = run(trial, candidates[modes[0]], None)
+        loss = evaluate(trial.model, held, objective, label=f"held-out {modes[0]}")["loss"]
+        rows += [{"normalize": m, "removed_per_layer": _per_layer(candidates[m], geometry), "heldout_loss": loss}
+                 for m in modes]
+        if best is None or loss < best[0]:
+            best = (loss, modes[0], result, trial.model)
+        del trial, result
+    loss, mode, result, model = best
+    lm.model = model
+    if eval_batches:
+        result.eval_before = eval_before
+        result.eval_after = evaluate(model, eval_batches, objective, label="eval")
+    result.allocation = {"normalize": mode, "heldout_blocks": sum(len(b["input_ids"]) for b in held),
+                         "candidates": rows}
+    info(f"layer allocation: {mode} (held-out loss {loss:.4f}"
+         + "".join(f", {r['normalize']} {r['heldout_loss']:.4f}" for r in rows if r["normalize"] != mode) + ")")
+    return result
 
 
 def _reads_data(req: PruneRequest, scores: list[list[float]] | None) -> bool:
@@ -177,12 +287,14 @@ def calib_info(lm, spec) -> dict | None:
         if spec else None
 
 
-def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tuple[list[list[float]], dict]:
+def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tuple[Scored, dict]:
     """The score matrix (from a document, or by scoring now on --data) and where it came from."""
     if scores is not None:
         doc = read_scores(scores, lm)
-        return doc["scores"], {"from": scores, "method": doc.get("method"), "objective": doc.get("objective"),
-                               "normalize": doc.get("normalize"), "data": doc.get("data")}
+        scored = Scored(doc["scores"], doc.get("raw_scores"), doc.get("normalize"), doc.get("method"),
+                        bool(doc.get("removal_order")))
+        return scored, {"from": scores, "method": doc.get("method"), "objective": doc.get("objective"),
+                        "normalize": doc.get("normalize"), "data": doc.get("data")}
     resolved = None
     batches = None
     if method in DATA_METHODS:
@@ -191,17 +303,20 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tu
     result = score_heads(lm.model, lm.adapter, batches, method=method, objective=resolved, seed=spec.seed,
                          label="score")
     info(f"scored with {result.estimator}" + (f" ({resolved})" if resolved else ""))
-    return result.scores, {"from": "data", "method": method, "estimator": result.estimator, "objective": resolved,
+    scored = Scored(result.scores, result.raw_scores, result.normalize, method)
+    return scored, {"from": "data", "method": method, "estimator": result.estimator, "objective": resolved,
                            "normalize": result.normalize, "data": calib_info(lm, spec)}
 
 
-def _data(lm, spec, req: PruneRequest, tm):
-    """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others)."""
+def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
+    """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others), and
+    with `compare` the held-out blocks, with labels, on which candidate allocations are compared (the
+    refit's held-out blocks when there are any, else a quarter of the calibration after it)."""
     compensate, eval_data, eval_samples, objective = req.compensate, req.eval_data, req.eval_samples, req.objective
     heldout_samples = req.heldout_samples
     if compensate and req.heldout_data is not None and not heldout_samples:
         heldout_samples = max(4, (spec.max_samples or 16) // 4)
-    calib = heldout = eval_batches = held = None
+    calib = heldout = eval_batches = held = hspec = None
     eval_objective = eval_info = None
     used = 0
     if compensate:
@@ -217,6 +332,18 @@ def _data(lm, spec, req: PruneRequest, tm):
                 used += heldout_samples
     elif spec is not None and spec.max_samples is not None:
         used = spec.skip_samples + spec.max_samples
+    compare_batches = None
+    if compare:
+        task = DATA_TASK[resolve_objective(objective, lm.task, None)]
+        if hspec is not None:
+            compare_batches = make_batches(hspec, lm.tokenizer, task, model=tm).batches
+        else:
+            n = max(4, spec.max_samples // 4)
+            cspec = heldout_spec(spec, req.heldout_data, n, used)
+            held = make_batches(cspec, lm.tokenizer, task, model=tm)
+            compare_batches = held.batches
+            if cspec.source == spec.source:
+                used += n
     if eval_data is not None:
         eval_objective = resolve_objective(objective, lm.task, None)
         if eval_objective == "kl":
@@ -225,5 +352,5 @@ def _data(lm, spec, req: PruneRequest, tm):
         eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
-    return calib, heldout, eval_batches, eval_objective, eval_info
+    return calib, heldout, eval_batches, eval_objective, eval_info, compare_batches
 

@@ -21,6 +21,7 @@ from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_s
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..measure.scores_doc import build_document, write_document
+from ..measure.scoring import ScoreResult
 from ..model.info import model_info
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import (
@@ -46,7 +47,7 @@ class Context:
     lm: LoadedModel
     original: Any = None  # the unmodified model, kept when an eval or heal step or `self` data needs it
     calib_device: Any = None  # with `sequential: true`: the device each layer visits during calibration
-    scores: list[list[float]] | None = None
+    scores: ScoreResult | None = None  # the last score step's, until a prune uses them
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: (source, seq_len, seed) -> leading blocks of it the calibrating steps read (evaluations start after)
@@ -130,7 +131,7 @@ def check_geometry(ctx: Context) -> None:
 def step_score(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     run = score_loaded(ctx.lm, req, ctx.text_model)
-    ctx.scores = run.result.scores
+    ctx.scores = run.result
     if req.output:
         write_document(build_document(ctx.lm, run.result, run.batches_info), req.output)
     out = {"method": run.result.estimator, "objective": run.objective, "baseline_loss": run.result.baseline_loss,
@@ -148,6 +149,8 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
     ctx.scores = None  # scores refer to the heads before pruning
     ctx.meta.setdefault("kept_heads", [list(k) for k in result.selection.kept])
     out = {"heads_removed": result.summary()["heads_removed"]}
+    if result.allocation:
+        out["normalize"] = result.allocation["normalize"]
     if result.compensation:
         out["refits_kept"] = sum(bool(c["kept"]) for c in result.compensation)
         out["data"] = done.data.source

@@ -145,6 +145,11 @@ class ScoreRequest:
 
 
 _H, _T, _C, _E = "Heads", "Target", "Compensation", "Evaluation"
+NORMALIZATIONS = ("auto", "layer", "none")
+NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads each layer loses: layer (per-layer "
+                  "L2, Michel) | none (the raw loss estimates) | a comma list, each pruned and the lowest loss on "
+                  "held-out blocks kept | auto: layer,none with --compensate and loss-based scores (each helps at "
+                  "another fraction, measured), else as scored")
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,7 @@ class PruneRequest:
                          "fisher, magnitude, random)", choices=SCORE_METHODS, panel=_H)
     objective: str = option("auto", "auto | lm | mlm | classification | kl (scoring and --eval-data)",
                             choices=OBJECTIVES, panel=_H)
+    normalize: str = option("auto", NORMALIZE_HELP, choices=NORMALIZATIONS, multiple=True, panel=_H)
     fraction: float | None = option(None, "fraction of query heads to remove, in (0, 1)", above=0, below=1,
                                     panel=_T)
     num_heads: int | None = option(None, "number of query heads to remove", min=1, panel=_T)

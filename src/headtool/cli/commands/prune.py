@@ -82,6 +82,8 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
         tot.add_row("eval loss", f"{b['loss']:.4f}", f"{a['loss']:.4f}", f"{a['loss'] - b['loss']:+.4f}")
         tot.add_row(f"eval {metric}", f"{b[metric]:.3f}", f"{a[metric]:.3f}", f"{a[metric] / b[metric]:.3f}x")
     console.print(tot)
+    if result.allocation_line():
+        console.print(result.allocation_line())
     if eval_info:
         console.print(f"eval: {eval_info.get('samples')} blocks, {eval_info.get('tokens')} tokens of "
                       f"{eval_info.get('source')} (skipping the first {eval_info.get('skip_samples')})")

@@ -1,0 +1,148 @@
+"""prune --normalize: how scores compare across layers (how many heads each layer loses), and the
+comparison of normalizations on held-out blocks that --compensate makes by default."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from headtool.cli import app
+from headtool.data.batches import make_batches
+from headtool.data.sources import DataSpec
+from headtool.errors import UsageError
+from headtool.measure.evaluation import evaluate
+from headtool.model.loading import load_model
+from headtool.workflows.prune import Scored, normalizations
+from headtool.workflows.requests import PruneRequest
+from tiny_models import save_tiny
+
+runner = CliRunner()
+COMMON = ["--data", "builtin:pydoc", "--max-samples", "8", "--seq-len", "16", "--batch-size", "2"]
+SPEC = DataSpec(source="builtin:pydoc", max_samples=8, seq_len=16, batch_size=2)
+RAW = [[0.5, 0.1, 0.2, 0.3], [0.01, 0.02, 0.03, 0.04]]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    # multi-head attention, 5 layers: the two normalizations give different allocations
+    return save_tiny("llama", tmp_path_factory.mktemp("normalize") / "src", num_hidden_layers=5, num_key_value_heads=4)
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _req(**kw) -> PruneRequest:
+    return PruneRequest(**{"model": "m", "fraction": 0.25, "compensate": True, "data": SPEC, **kw})
+
+
+def test_auto_compares_layer_and_none_only_for_loss_based_scores_with_compensate():
+    scored = Scored(RAW, RAW, "layer", "gradient")
+    assert normalizations(_req(), scored, SPEC, "causal-lm") == ["layer", "none"]
+    assert normalizations(_req(compensate=False), scored, SPEC, "causal-lm") is None
+    assert normalizations(_req(), Scored(RAW, RAW, "none", "magnitude"), SPEC, "causal-lm") is None
+    assert normalizations(_req(), Scored(RAW, None, "layer", "gradient"), SPEC, "causal-lm") is None
+    assert normalizations(_req(), Scored(RAW, RAW, "layer", "gradient", iterative=True), SPEC, "causal-lm") is None
+    assert normalizations(_req(threshold=0.1, fraction=None), scored, SPEC, "causal-lm") is None
+    assert normalizations(_req(), scored, SPEC, "base") is None  # kl: no loss on held-out text to compare
+    assert normalizations(_req(normalize="none,layer,none"), scored, SPEC, "causal-lm") == ["none", "layer"]
+
+
+@pytest.mark.parametrize("value, scored, message", [
+    ("auto,none", Scored(RAW, RAW, "layer", "gradient"), "use auto, or one or more"),
+    ("sideways", Scored(RAW, RAW, "layer", "gradient"), "use auto, or one or more"),
+    ("none", Scored(RAW), "needs raw scores"),
+    ("layer", Scored(RAW, RAW, "layer", "gradient", iterative=True), "iterative"),
+])
+def test_bad_normalize_requests_are_usage_errors(value, scored, message):
+    with pytest.raises(UsageError, match=message):
+        normalizations(_req(normalize=value), scored, SPEC, "causal-lm")
+
+
+def test_scores_renormalize_from_the_raw_ones():
+    scored = Scored([[1.0, 0.2, 0.4, 0.6], [0.2, 0.4, 0.6, 0.8]], RAW, "layer", "gradient")
+    assert scored.matrix("none") == RAW and scored.matrix("layer") is scored.scores
+    assert scored.matrix(None) is scored.scores
+    norm = Scored(RAW, RAW, "none").matrix("layer")
+    assert all(sum(v * v for v in row) == pytest.approx(1.0) for row in norm)
+
+
+def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src, tmp_path):
+    """Both candidates are recorded with their held-out loss; the written model is the one with the
+    lower loss, bit for bit the model a prune with that normalization alone writes, and its loss on
+    the held-out blocks (the 4 after the 8 calibration blocks: a quarter, at least 4) is the recorded one."""
+    r = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", "layer,none",
+             "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", tmp_path / "cmp", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    alloc = doc["allocation"]
+    cands = {c["normalize"]: c for c in alloc["candidates"]}
+    assert set(cands) == {"layer", "none"} and alloc["heldout_blocks"] == 4
+    assert alloc["normalize"] == min(cands, key=lambda m: cands[m]["heldout_loss"])
+    assert doc["options"]["normalize"] == alloc["normalize"]
+    assert doc["eval_data"]["skip_samples"] == 12  # after the calibration and the held-out blocks
+    assert "held-out loss" in r.stderr and "Layer allocation" in (tmp_path / "cmp" / "README.md").read_text()
+    one = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", alloc["normalize"],
+               "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", tmp_path / "one",
+               "--json")
+    assert one.exit_code == 0, one.stderr
+    a, b = load_file(tmp_path / "cmp" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    single = json.loads(one.stdout)
+    assert single["allocation"]["normalize"] == alloc["normalize"] and len(single["allocation"]["candidates"]) == 1
+    lm, orig = load_model(str(tmp_path / "cmp"), trust_remote_code=True), load_model(str(src))
+
+    def loss(model, skip: int, n: int) -> float:
+        spec = DataSpec(source="builtin:pydoc", max_samples=n, seq_len=16, batch_size=2, skip_samples=skip)
+        return evaluate(model, make_batches(spec, lm.tokenizer, "lm").batches, "lm")["loss"]
+    assert loss(lm.model, 8, 4) == pytest.approx(cands[alloc["normalize"]]["heldout_loss"], rel=1e-5)
+    assert loss(lm.model, 12, 2) == pytest.approx(doc["eval"]["after"]["loss"], rel=1e-5)
+    assert loss(orig.model, 12, 2) == pytest.approx(doc["eval"]["before"]["loss"], rel=1e-5)
+
+
+def test_the_default_compares_and_a_recipe_step_does_the_same(src, tmp_path):
+    cli = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "-o", tmp_path / "cli", "--json")
+    assert cli.exit_code == 0, cli.stderr
+    assert len(json.loads(cli.stdout)["allocation"]["candidates"]) == 2
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\ndata: {{source: 'builtin:pydoc', max_samples: 8, seq_len: 16, batch_size: 2}}\n"
+                      "steps:\n  - score: {}\n  - prune: {fraction: 0.5, compensate: true}\n")
+    rec = _run("run", recipe, "-o", tmp_path / "rec", "--json")
+    assert rec.exit_code == 0, rec.stderr
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == \
+        (tmp_path / "rec" / "model.safetensors").read_bytes()
+
+
+def test_a_score_document_is_renormalized_from_its_raw_scores(src, tmp_path):
+    """--normalize none on a document scored with per-layer normalization removes the heads a document
+    whose scores are its raw scores removes."""
+    scores, raw_doc = tmp_path / "s.json", tmp_path / "raw.json"
+    assert _run("score", src, *COMMON, "-o", scores).exit_code == 0
+    doc = json.loads(scores.read_text())
+    assert doc["normalize"] == "layer" and doc["scores"] != doc["raw_scores"]
+    raw_doc.write_text(json.dumps({**doc, "scores": doc["raw_scores"], "normalize": "none"}))
+    runs = [_run("prune", src, "--scores", d, "--fraction", 0.5, *extra, "--dry-run", "--json")
+            for d, extra in ((scores, ["--normalize", "none"]), (raw_doc, []), (scores, []))]
+    assert all(r.exit_code == 0 for r in runs), [r.stderr for r in runs]
+    kept = [json.loads(r.stdout)["kept_heads"] for r in runs]
+    assert kept[0] == kept[1] and kept[0] != kept[2]
+
+
+def test_comparing_without_data_is_one_line(src, tmp_path):
+    scores = tmp_path / "s.json"
+    assert _run("score", src, *COMMON, "-o", scores).exit_code == 0
+    r = _run("prune", src, "--scores", scores, "--fraction", 0.5, "--normalize", "layer,none", "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "held-out blocks" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_streaming_takes_the_scores_as_scored(src, tmp_path):
+    scores = tmp_path / "s.json"
+    assert _run("score", src, *COMMON, "-o", scores).exit_code == 0
+    r = _run("prune", src, "--scores", scores, "--fraction", 0.5, "--normalize", "none", "--streaming",
+             "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "--streaming takes the scores as they were scored" in r.stderr
+    assert not (tmp_path / "x").exists()
