@@ -84,7 +84,9 @@ def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src
     assert alloc["normalize"] == min(cands, key=lambda m: cands[m]["heldout_loss"])
     assert doc["options"]["normalize"] == alloc["normalize"]
     assert doc["eval_data"]["skip_samples"] == 12  # after the calibration and the held-out blocks
-    assert "held-out loss" in r.stderr and "Layer allocation" in (tmp_path / "cmp" / "README.md").read_text()
+    label = {"layer": "per-layer normalized scores", "none": "raw scores"}[alloc["normalize"]]
+    assert f"heads per layer from {label} (--normalize {alloc['normalize']}): held-out loss" in r.stderr
+    assert "Layer allocation: heads per layer from" in (tmp_path / "cmp" / "README.md").read_text()
     one = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", alloc["normalize"],
                "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", tmp_path / "one",
                "--json")

@@ -83,13 +83,15 @@ class PruneResult:
         a = self.allocation
         if not a:
             return None
+        def label(mode: str) -> str:
+            return {"layer": "per-layer normalized scores", "none": "raw scores"}.get(mode, mode)
+        chosen = f"heads per layer from {label(a['normalize'])} (--normalize {a['normalize']})"
         others = [c for c in a["candidates"] if c["normalize"] != a["normalize"] and "heldout_loss" in c]
         if not others:
-            return f"heads per layer from scores normalized {a['normalize']}"
+            return chosen
         mine = next(c for c in a["candidates"] if c["normalize"] == a["normalize"])
-        vs = ", ".join(f"{c['normalize']} {c['heldout_loss']:.4f}" for c in others)
-        return (f"heads per layer from scores normalized {a['normalize']}: held-out loss {mine['heldout_loss']:.4f} "
-                f"against {vs} ({a['heldout_blocks']} blocks)")
+        vs = ", ".join(f"{label(c['normalize'])} {c['heldout_loss']:.4f}" for c in others)
+        return f"{chosen}: held-out loss {mine['heldout_loss']:.4f} against {vs} ({a['heldout_blocks']} blocks)"
 
 
 def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int]) -> LayerHeads:
