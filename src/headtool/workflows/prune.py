@@ -158,9 +158,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     candidates: dict[str, Selection] = {}
     if target is not None:
         if isinstance(scores, ScoreResult):
-            scored = Scored(scores.scores, scores.raw_scores, scores.normalize, scores.method,
-                            bool(scores.removal_order))
-            score_info = {"from": "an earlier score step"}
+            scored, score_info = Scored.of(scores), {"from": "an earlier score step"}
         elif scores is not None:
             scored, score_info = Scored(scores), {"from": "an earlier score step"}
         else:
@@ -198,6 +196,10 @@ class Scored:
     normalize: str | None = None
     method: str | None = None
     iterative: bool = False
+
+    @classmethod
+    def of(cls, result: ScoreResult) -> Scored:
+        return cls(result.scores, result.raw_scores, result.normalize, result.method, bool(result.removal_order))
 
     def matrix(self, mode: str | None) -> list[list[float]]:
         return self.scores if mode is None or mode == self.normalize else normalize_scores(self.raw, mode)
@@ -257,19 +259,18 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
         if best is None or loss < best[0]:
             best = (loss, modes[0], result, trial.model)
         del trial, result
-    loss, mode, result, model = best
+    _, mode, result, model = best
     lm.model = model
     if eval_batches:
         result.eval_before = eval_before
         result.eval_after = evaluate(model, eval_batches, objective, label="eval")
     result.allocation = {"normalize": mode, "heldout_blocks": sum(len(b["input_ids"]) for b in held),
                          "candidates": rows}
-    info(f"layer allocation: {mode} (held-out loss {loss:.4f}"
-         + "".join(f", {r['normalize']} {r['heldout_loss']:.4f}" for r in rows if r["normalize"] != mode) + ")")
+    info(result.allocation_line())
     return result
 
 
-def _reads_data(req: PruneRequest, scores: list[list[float]] | None) -> bool:
+def _reads_data(req: PruneRequest, scores: ScoreResult | list[list[float]] | None) -> bool:
     """Does this prune read --data: to refit (--compensate) or to score now with a data method?"""
     scoring_now = req.heads is None and scores is None and req.scores is None
     return req.compensate or (scoring_now and req.method in DATA_METHODS)
@@ -303,9 +304,8 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tu
     result = score_heads(lm.model, lm.adapter, batches, method=method, objective=resolved, seed=spec.seed,
                          label="score")
     info(f"scored with {result.estimator}" + (f" ({resolved})" if resolved else ""))
-    scored = Scored(result.scores, result.raw_scores, result.normalize, method)
-    return scored, {"from": "data", "method": method, "estimator": result.estimator, "objective": resolved,
-                           "normalize": result.normalize, "data": calib_info(lm, spec)}
+    return Scored.of(result), {"from": "data", "method": method, "estimator": result.estimator,
+                               "objective": resolved, "normalize": result.normalize, "data": calib_info(lm, spec)}
 
 
 def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
