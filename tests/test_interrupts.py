@@ -33,6 +33,7 @@ WAIT_S = 180  # for the launcher to reach the write on a loaded machine
 LAUNCHER = '''\
 """headtool with its writers wrapped: HOOK_AT=KIND:N pauses at the N-th call of KIND."""
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,10 @@ wrap(output, "_fix_config", "metadata")  # every shard written, before headtool.
 
 from headtool.cli.app import main  # noqa: E402
 
+# the launcher stands for a run in a terminal, where Ctrl-C raises KeyboardInterrupt: a suite
+# started in the background without job control (`sh -c 'pytest' &`) hands its children SIGINT
+# ignored, and Python then installs no handler, so the signal would do nothing
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.argv = ["headtool", *sys.argv[1:]]
 main()
 '''
