@@ -46,6 +46,26 @@ def test_the_budget_is_met_uniform_below_it_auto_exactly(tmp_path, fraction):
         assert "KV cache budget" in r.stderr
 
 
+def test_a_ratio_is_an_exact_budget_where_its_decimal_falls_short(tmp_path):
+    """--kv-cache 1/3 is a third of the cache to the byte; 0.3333 is a little less (never exceeded)."""
+    src = save_tiny("llama", tmp_path / "src")
+    sums = {}
+    for spelled in ("1/3", "0.3333"):
+        out = tmp_path / spelled.replace("/", "-")
+        r = _cli(src, out, "--kv-cache", spelled, "--rank-allocation", "auto")
+        assert r.exit_code == 0, r.stderr
+        doc = json.loads(r.stdout)
+        sums[spelled] = sum(doc["kv_rank"])
+        if spelled == "1/3":
+            assert doc["after"]["kv_cache_bytes_per_token"] == TODAY // 3
+            assert json.loads((out / "headtool.json").read_text())["options"]["kv_cache"] == 1 / 3
+    assert sums == {"1/3": 32 - 12, "0.3333": 31 - 12}
+    assert requests.LatentRequest("m", kv_cache="1/3").kv_cache == requests.LatentRequest("m", kv_cache=1 / 3).kv_cache
+    for bad in (float("inf"), float("nan"), True, "", "1/3/4"):  # a recipe's .inf, nan or yes; odd text
+        with pytest.raises(ValueError, match=r"fraction in \(0, 1\]"):
+            requests.parse_budget(bad)
+
+
 def test_uniform_budget_equals_the_plain_kv_rank_run(tmp_path):
     src = save_tiny("llama", tmp_path / "src")
     assert _cli(src, tmp_path / "a", "--kv-cache", 0.5).exit_code == 0
@@ -118,6 +138,9 @@ def test_allocate_ranks_is_the_greedy_choice():
     ([], "exactly one of --kv-rank"),
     (["--kv-cache", 1.5], "--kv-cache 1.5: must be a fraction in (0, 1]"),
     (["--kv-cache", 0], "--kv-cache"),
+    (["--kv-cache", "4/3"], "--kv-cache 4/3: must be a fraction in (0, 1]"),
+    (["--kv-cache", "a/b"], "--kv-cache a/b: give a fraction in (0, 1]"),
+    (["--kv-cache", "1/0"], "--kv-cache 1/0: give a fraction in (0, 1]"),
     (["--kv-cache", 0.1], "--kv-cache 0.1: 9 cache dims per token for 3 layers cannot hold --rope-dim 4"),
     (["--kv-cache", 0.5, "--rank-allocation", "sideways"], "--rank-allocation must be one of uniform, auto"),
 ])
@@ -138,6 +161,12 @@ def test_a_recipe_takes_the_budget_and_needs_exactly_one_target(tmp_path):
     row = json.loads(res.stdout)["steps"][1]
     assert sum(row["kv_rank"]) == 36 and row["kv_cache_bytes_per_token"] == TODAY // 2
     assert row["kv_cache"] == 0.5 and row["rank_allocation"] == "auto"
+    r.write_text(f"model: {src}\ndata: {{seq_len: 16, max_samples: 4}}\nsteps:\n"
+                 "  - convert_mla: {kv_cache: 1/3, rank_allocation: auto, rope_dim: 4, refit: false}\n")
+    res = runner.invoke(app, ["run", str(r), "--json"])
+    assert res.exit_code == 0, res.stderr
+    row = json.loads(res.stdout)["steps"][1]
+    assert row["kv_cache_bytes_per_token"] == TODAY // 3 and row["kv_cache"] == 1 / 3
     r.write_text(f"model: {src}\nsteps:\n  - convert_mla: {{kv_cache: 0.5, kv_rank: 4}}\n")
     res = runner.invoke(app, ["run", str(r), "--check"])
     assert res.exit_code == 2 and "exactly one target of kv_rank, kv_cache" in res.stderr

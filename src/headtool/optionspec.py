@@ -14,7 +14,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 # Where a field is set in a recipe: a key of the step ("step"), a whole-recipe key ("recipe":
 # model loading, output and writing), or nowhere ("cli": only meaningful for one command run;
@@ -26,16 +26,18 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[s
            panel: str | None = None, choices: tuple[str, ...] = (), multiple: bool = False,
            min: float | None = None, above: float | None = None, below: float | None = None,
            where: str = STEP, why: str = "", factory: Any = None, positional: bool = False,
-           show_default: bool | str = True) -> Any:
+           show_default: bool | str = True, parse: Callable[[Any], Any] | None = None) -> Any:
     """A dataclass field with the metadata the CLI and the recipe schema derive from.
 
     flags: the CLI spelling ("--x", "-x" or "--on/--off"); default "--<name with dashes>".
     choices: allowed values (multiple: a comma list of them). min (inclusive), above and below
     (exclusive): the range of a number. where: STEP, RECIPE or CLI_ONLY (then `why` says why).
+    parse: for a value that the command line gives as text (a str | number field), the function
+    that reads it, raising ValueError with what is allowed; the recipe check runs it too.
     """
     meta = {"help": help, "flags": flags, "panel": panel, "choices": tuple(choices), "multiple": multiple,
             "min": min, "above": above, "below": below, "where": where, "why": why, "positional": positional,
-            "show_default": show_default, "option": True}
+            "show_default": show_default, "parse": parse, "option": True}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -99,6 +101,12 @@ def problem(opt: Opt, value: Any) -> str | None:
         return None if opt.optional else "must be given"
     t = opt.type
     m = opt.meta
+    if m.get("parse") is not None:
+        try:
+            m["parse"](value)
+        except ValueError as e:
+            return f"{e}, got {value!r}"
+        return None
     if t is bool:
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if t is int:

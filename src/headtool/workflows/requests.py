@@ -253,6 +253,22 @@ class ConvertRequest:
         _check_with_anchor(self)
 
 
+def parse_budget(value: float | int | str) -> float:
+    """A fraction in (0, 1] given as a number or as text: a decimal ("0.5") or a ratio ("1/3", exact,
+    where 0.3333 falls short of a third). ValueError, saying what is allowed, for anything else."""
+    from fractions import Fraction
+
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        frac = float(Fraction(value.strip()) if isinstance(value, str) else value)
+    except (ValueError, ZeroDivisionError, TypeError, OverflowError):
+        raise ValueError("give a fraction in (0, 1] of today's KV cache, e.g. 1/3 or 0.5") from None
+    if not 0 < frac <= 1:
+        raise ValueError("must be a fraction in (0, 1] of today's KV cache")
+    return frac
+
+
 @dataclass(frozen=True)
 class LatentRequest:
     """convert-mla's options and defaults. `rope_dim` None means one KV head's rotary dims (as
@@ -262,8 +278,10 @@ class LatentRequest:
     kv_rank: int | None = option(None, "latent dims per token and layer; the cache holds these plus --rope-dim "
                                  "(full rank, exact: 2 x KV heads x head_dim - --rope-dim); or --kv-cache",
                                  min=1)
-    kv_cache: float | None = option(None, "instead of --kv-rank: the cache budget, a fraction in (0, 1] of today's "
-                                    "KV-cache bytes per token (0.33: the MQA cache of a 3-KV-head model)", above=0)
+    kv_cache: float | str | None = option(None, "instead of --kv-rank: the cache budget, a fraction in (0, 1] of "
+                                          "today's KV-cache bytes per token, as a ratio or a decimal (1/3: the MQA "
+                                          "cache of a 3-KV-head model; the budget is never exceeded, so 0.33 is a "
+                                          "little less)", parse=parse_budget)
     rank_allocation: str = option("uniform", "uniform (the same kv_rank in every layer) | auto (the same total, "
                                   "a different kv_rank per layer: each latent dim goes to the layer whose weighted "
                                   "error it lowers most, from the calibration spectra)", choices=RANK_ALLOCATIONS)
@@ -291,6 +309,16 @@ class LatentRequest:
 
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
 
+    def __post_init__(self) -> None:
+        # "1/3" from the command line or a recipe becomes the float every step computes with
+        if self.kv_cache is not None:
+            from ..errors import UsageError
+
+            try:
+                object.__setattr__(self, "kv_cache", parse_budget(self.kv_cache))
+            except ValueError as e:
+                raise UsageError(f"--kv-cache {self.kv_cache}: {e}") from None
+
     def validate(self) -> None:
         from ..errors import UsageError
 
@@ -300,8 +328,6 @@ class LatentRequest:
         if (self.kv_rank is None) == (self.kv_cache is None):
             raise UsageError("convert-mla: give exactly one of --kv-rank R (latent dims per layer) or --kv-cache "
                              "FRACTION (of today's KV-cache bytes per token)")
-        if self.kv_cache is not None and self.kv_cache > 1:
-            raise UsageError(f"--kv-cache {self.kv_cache:g}: must be a fraction in (0, 1] of today's KV cache")
 
 
 @dataclass(frozen=True)
