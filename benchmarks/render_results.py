@@ -311,6 +311,23 @@ def mla_section(doc: dict) -> str:
     ])
 
 
+def mla_context_section(doc: dict) -> str:
+    from bench_mla import render
+
+    s = doc["settings"]
+    return "\n".join([
+        f"### Latent attention at a longer context: decode after {s['context']:,} prompt tokens (SmolLM2-135M, CPU)",
+        "",
+        f"Rows of the latent-attention table above ({', '.join(b for b, _ in s['budgets'])} of the cache, uniform "
+        "ranks, the same calibration, so the same quality columns), timed after a longer prompt: "
+        f"{s['context']:,} tokens, then {s['new_tokens']} decode steps, batch 1, {s['threads']} threads, "
+        f"{s['repeats']} interleaved rounds (median). The original reads (and its dynamic cache copies) every "
+        "cached key and value each step, so what the smaller cache saves grows with the context.",
+        "",
+        render(doc),
+    ])
+
+
 def mla_rope_section(doc: dict) -> str:
     from bench_mla import render
 
@@ -363,7 +380,8 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
-            ("mla.json", mla_section), ("mla_calibration*.json", mla_calibration_section),
+            ("mla.json", mla_section), ("mla_context*.json", mla_context_section),
+            ("mla_calibration*.json", mla_calibration_section),
             ("mla_rope_sweep*.json", mla_rope_section),
             ("quality.json", quality_section), ("heal.json", heal_section), ("heal-*.json", heal_section),
             ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]
