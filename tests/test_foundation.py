@@ -195,6 +195,35 @@ def test_version_and_help():
     assert res.exit_code == 0 and "info" in res.stdout
 
 
+def test_command_help_is_prose_that_the_terminal_wraps():
+    """typer keeps every line break of a docstring: each paragraph is joined into one line (so a
+    wide terminal does not show the source's ragged 100-column lines cut at 80), while example
+    lines and indented lines stay lines of their own."""
+    from headtool.cli.app import reflow_help
+
+    doc = """First line.
+
+    A paragraph written
+    over three
+    lines.
+
+    Example: headtool a b
+    --c d
+    Example: headtool e
+    Examples:
+      headtool f
+      headtool g
+    """
+    assert reflow_help(doc) == ("First line.\n\nA paragraph written over three lines.\n\n"
+                                "Example: headtool a b --c d\nExample: headtool e\nExamples:\n  headtool f\n"
+                                "  headtool g")
+    res = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    assert ("Without --scores or --heads the heads are scored now on --data (default auto: builtin:pydoc mixed with "
+            "text sampled from the model") in res.stdout
+    assert "\n   headtool prune m --heads" in res.stdout  # an indented example keeps its line
+
+
 def test_typer_is_a_pinned_version_and_its_usage_errors_pass_through():
     """cli/app.py reaches into typer: the installed version must be in the range pyproject pins
     (the range the CLI tests ran with), and a click usage error raised by typer's own parser (an

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import sys
 import traceback
@@ -28,8 +29,34 @@ def _debug() -> bool:
     return _state["debug"] or os.environ.get("HEADTOOL_DEBUG", "") not in ("", "0")
 
 
+def reflow_help(text: str | None) -> str | None:
+    """A command's docstring as help prose: the lines of a paragraph joined, so that the terminal
+    wraps them (typer >= 0.2x keeps every source line break, which at 80 columns leaves a ragged
+    fragment after each); an `Example...` line and an indented line still start a line of their own."""
+    if not text:
+        return text
+    paragraphs = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        lines: list[str] = []
+        for line in para.splitlines():
+            if lines and not line.startswith(("Example", " ", "\t", "\b")) and not lines[-1].startswith("\b"):
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line)
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
 class HeadtoolGroup(TyperGroup):
-    """Maps headtool's errors to one line on stderr and an exit code (2 usage, 1 failure)."""
+    """Maps headtool's errors to one line on stderr and an exit code (2 usage, 1 failure); shows
+    each command's help as reflowed prose (reflow_help)."""
+
+    def get_command(self, ctx, cmd_name):
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None and not getattr(cmd, "_headtool_reflowed", False):
+            cmd.help = reflow_help(cmd.help)
+            cmd._headtool_reflowed = True
+        return cmd
 
     def invoke(self, ctx):
         try:

@@ -63,12 +63,14 @@ def convert_mla_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
     Per-frequency rotations across the KV heads (RoRoPE) move the position information into a
     rotary key of --rope-dim dims shared by all query heads; the rest of K and all of V become one
     --kv-rank latent (activation-whitened factorization on --data, default auto: builtin:pydoc
-    mixed with self-generated text on a causal LM; 64 blocks); or --kv-cache FRACTION of today's cache bytes, split across layers uniformly or, with
-    --rank-allocation auto, by the layers' measured spectra. The cache holds the latent and the rotary key. The folder loads with
+    mixed with self-generated text on a causal LM; 64 blocks); or --kv-cache FRACTION of today's
+    cache bytes (1/3 or 0.5), split across layers uniformly or, with --rank-allocation auto, by the
+    layers' measured spectra. The cache holds the latent and the rotary key. The folder loads with
     trust_remote_code=True (a self-contained modeling file).
 
+    Example: headtool convert-mla smollm2-135m --kv-cache 1/3 -o smollm2-mla
     Example: headtool convert-mla smollm2-135m --kv-rank 64 --rope-dim 64 -o smollm2-mla
-    Example: headtool convert-mla smollm2-135m --kv-cache 0.125 --rope-dim 16 --rank-allocation auto -o smollm2-mla
+    Example: headtool convert-mla smollm2-135m --kv-cache 1/8 --rope-dim 24 --rank-allocation auto -o smollm2-mla
     """
     from ...workflows.convert_mla import run_convert_mla
 
