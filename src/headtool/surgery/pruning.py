@@ -35,6 +35,11 @@ CHOICES = ("auto", "scores", "refit")
 REFIT_LAYERS = ("pruned", "all")
 
 
+def normalization_label(mode: str) -> str:
+    """The scores a --normalize mode allocates heads from, in words (summary, card and progress log)."""
+    return {"layer": "per-layer normalized scores", "none": "raw scores"}.get(mode, mode)
+
+
 @dataclass
 class PruneResult:
     """What changed, with the figures for the summary and headtool.json."""
@@ -83,8 +88,7 @@ class PruneResult:
         a = self.allocation
         if not a:
             return None
-        def label(mode: str) -> str:
-            return {"layer": "per-layer normalized scores", "none": "raw scores"}.get(mode, mode)
+        label = normalization_label
         chosen = f"heads per layer from {label(a['normalize'])} (--normalize {a['normalize']})"
         others = [c for c in a["candidates"] if c["normalize"] != a["normalize"] and "heldout_loss" in c]
         if not others:

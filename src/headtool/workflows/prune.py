@@ -19,7 +19,7 @@ from ..measure.scoring import DATA_METHODS, ScoreResult, normalize_scores, score
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
 from ..model.placement import require_resident_weights, sequential_placement
-from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, prune
+from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, normalization_label, prune
 from ..surgery.selection import (
     Selection,
     Target,
@@ -251,7 +251,7 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
     distinct = list(groups.values())
     for i, modes in enumerate(distinct):
         trial = lm if i == len(distinct) - 1 else replace(lm, model=copy.deepcopy(lm.model))
-        info(f"layer allocation: scores normalized {' = '.join(modes)}")
+        info(f"layer allocation: heads per layer from {' = '.join(map(normalization_label, modes))}")
         result = run(trial, candidates[modes[0]], None)
         loss = evaluate(trial.model, held, objective, label=f"held-out {modes[0]}")["loss"]
         rows += [{"normalize": m, "removed_per_layer": _per_layer(candidates[m], geometry), "heldout_loss": loss}
