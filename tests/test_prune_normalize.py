@@ -2,22 +2,27 @@
 comparison of normalizations on held-out blocks that --compensate makes by default."""
 from __future__ import annotations
 
+import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from headtool.arch import adapter_for
 from headtool.cli import app
 from headtool.data.batches import make_batches
 from headtool.data.sources import DataSpec
 from headtool.errors import UsageError
 from headtool.measure.evaluation import evaluate
 from headtool.model.loading import load_model
+from headtool.surgery.pruning import prune, trial_copy
+from headtool.surgery.selection import Selection
 from headtool.workflows.prune import Scored, normalizations
 from headtool.workflows.requests import PruneRequest
-from tiny_models import save_tiny
+from tiny_models import ALL, logits_of, sample_ids, save_tiny, tiny_model
 
 runner = CliRunner()
 COMMON = ["--data", "builtin:pydoc", "--max-samples", "8", "--seq-len", "16", "--batch-size", "2"]
@@ -148,3 +153,40 @@ def test_streaming_takes_the_scores_as_scored(src, tmp_path):
              "-o", tmp_path / "x")
     assert r.exit_code == 2 and "--streaming takes the scores as they were scored" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_a_trial_copy_owns_only_the_attention_and_a_refit_prune_on_it_leaves_the_original_untouched(family):
+    # comparing allocations prunes the earlier candidates on trial copies: they must cost the attention's
+    # memory only, and nothing a trial prune rewrites (in place, as the refit does) may reach the original
+    original = tiny_model(family).eval()
+    adapter = adapter_for(original.config)
+    geo = adapter.geometry(original.config)
+    before = {k: v.clone() for k, v in original.state_dict().items()}
+    ids = sample_ids(family, batch=2, seq=12)
+    logits = logits_of(original, ids)
+    trial = trial_copy(original, adapter)
+
+    mine = {id(p) for p in original.parameters()}
+    copied = [n for n, p in trial.named_parameters() if id(p) not in mine]
+    shared = [n for n, p in trial.named_parameters() if id(p) in mine]
+    heads = {adapter.layer_prefix(trial, i) + t.name for i in range(len(geo)) for t in adapter.tensors}
+    assert heads & set(dict(trial.named_parameters())) <= set(copied)  # every head-carrying tensor is its own
+    assert trial.get_input_embeddings().weight is original.get_input_embeddings().weight
+    assert any(".mlp." in n or "intermediate" in n or ".fc1." in n for n in shared)  # the feed-forward weights
+    numel = {n: p.numel() for n, p in trial.named_parameters()}
+    assert sum(numel[n] for n in copied) < 0.5 * sum(numel.values())
+
+    # one query head fewer in every KV group (GQA), or head 0 with its K/V (one query head per group)
+    kept = [tuple(q for q in range(g.num_heads) if q % g.group_size or (q and g.group_size == 1)) for g in geo]
+    calib = [{"input_ids": sample_ids(family, batch=2, seq=12, seed=5), "attention_mask": torch.ones(2, 12,
+                                                                                                 dtype=torch.long)}]
+    reference = copy.deepcopy(original)
+    for model in (trial, reference):
+        prune(SimpleNamespace(model=model, adapter=adapter), Selection.from_kept(geo, kept), calib_batches=calib,
+              compensate=True, refit_layers="all", anchor=0.0)
+    assert all(torch.equal(v, before[k]) for k, v in original.state_dict().items())
+    assert torch.equal(logits_of(original, ids), logits)
+    assert adapter.geometry(original.config) == geo
+    assert torch.equal(logits_of(trial, ids), logits_of(reference, ids))  # the trial prunes as a full copy does
+    assert not torch.equal(logits_of(trial, ids), logits)

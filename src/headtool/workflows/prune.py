@@ -2,7 +2,6 @@
 or listed) and write a checkpoint that reloads; optionally refit the output projections."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -19,7 +18,7 @@ from ..measure.scoring import DATA_METHODS, ScoreResult, normalize_scores, score
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
 from ..model.placement import require_resident_weights, sequential_placement
-from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, normalization_label, prune
+from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, normalization_label, prune, trial_copy
 from ..surgery.selection import (
     Selection,
     Target,
@@ -240,7 +239,8 @@ def _per_layer(selection: Selection, geometry) -> list[int]:
 def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, held: Sequence[dict],
                      eval_batches, objective: str) -> PruneResult:
     """Prune with every candidate selection and keep the lowest loss on the held-out blocks: the
-    earlier candidates on copies, the last in place; lm.model is the winner afterwards."""
+    earlier candidates on copies that share all but the attention (`trial_copy`), the last in place;
+    lm.model is the winner afterwards."""
     geometry = lm.geometry
     eval_before = evaluate(lm.model, eval_batches, objective, label="eval") if eval_batches else None
     rows: list[dict] = []
@@ -250,7 +250,7 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
         groups.setdefault(sel.kept, []).append(mode)
     distinct = list(groups.values())
     for i, modes in enumerate(distinct):
-        trial = lm if i == len(distinct) - 1 else replace(lm, model=copy.deepcopy(lm.model))
+        trial = lm if i == len(distinct) - 1 else replace(lm, model=trial_copy(lm.model, lm.adapter))
         info(f"layer allocation: heads per layer from {' = '.join(map(normalization_label, modes))}")
         result = run(trial, candidates[modes[0]], None)
         loss = evaluate(trial.model, held, objective, label=f"held-out {modes[0]}")["loss"]

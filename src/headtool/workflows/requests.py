@@ -148,7 +148,7 @@ _H, _T, _C, _E = "Heads", "Target", "Compensation", "Evaluation"
 NORMALIZATIONS = ("auto", "layer", "none")
 NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads each layer loses: layer (per-layer "
                   "L2, Michel) | none (the raw loss estimates) | a comma list, each pruned (all but the last on a copy "
-                  "of the model: twice its memory) and the lowest loss on held-out blocks kept | auto: layer,none "
+                  "of the attention weights) and the lowest loss on held-out blocks kept | auto: layer,none "
                   "with --compensate and loss-based scores (each helps at another fraction, measured), else as "
                   "scored")
 
