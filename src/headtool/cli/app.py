@@ -170,6 +170,10 @@ def eval_cmd(
 ) -> None:
     """Loss and perplexity (or accuracy) of models side by side, on exactly the same batches.
 
+    The blocks start after those any of the models was fitted on (headtool outputs record them in
+    headtool.json under data_read), unless --skip-samples says where; a model fitted on the text's
+    domain is marked: in-domain figures flatter, so evaluate on text of the use as well.
+
     With --speed: prefill and decode tokens/s, KV-cache bytes and peak memory growth instead,
     measured interleaved on the same tokens (median, ratio to the first model).
 

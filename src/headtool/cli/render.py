@@ -69,23 +69,32 @@ def eval_table(result: dict[str, Any]) -> Table:
     res = result["results"]
     metric = next(m for m in ("perplexity", "accuracy", "embedding_cosine") if m in res[0])
     d = result["data"]
+    after = f", after its first {d['skip_samples']}" if d.get("skip_samples") else ""
     t = Table(title=f"headtool eval ({result['objective']}, {d.get('samples')} samples, "
-                    f"{d.get('tokens')} tokens of {d.get('source')})", title_justify="left")
+                    f"{d.get('tokens')} tokens of {d.get('source')}{after})", title_justify="left")
     loss_name = "nMSE vs first" if metric == "embedding_cosine" else "loss"
     for col in ("model", loss_name, "Δ", metric, "ratio", "params", "heads", "KV/token"):
         t.add_column(col, justify="left" if col == "model" else "right")
     base = res[0]
+    if any(r.get("in_domain") for r in res):
+        t.caption = (f"* fitted on {d.get('source')}'s domain ({'; '.join(_fitted(r) for r in res if r.get('in_domain'))}): "
+                     "in-domain figures flatter")
+        t.caption_justify = "left"
     for r in res:
         dl = r["loss"] - base["loss"]
         ratio = (r[metric] / base[metric]) if base.get(metric) else float("nan")
         t.add_row(
-            r["model"], f"{r['loss']:.4f}", "" if r is base else f"{dl:+.4f}",
+            r["model"] + (" *" if r.get("in_domain") else ""), f"{r['loss']:.4f}", "" if r is base else f"{dl:+.4f}",
             f"{100 * r[metric]:.2f}%" if metric == "accuracy" else f"{r[metric]:.4f}",
             "" if r is base else f"{ratio:.3f}x", human_int(r["params"]),
             f"{r['total_heads']}/{'latent' if r.get('kv_rank') is not None else r['total_kv_heads']}",
             human_bytes(r["kv_cache_bytes_per_token"]),
         )
     return t
+
+
+def _fitted(r: dict[str, Any]) -> str:
+    return f"{r['model']}: {', '.join(r.get('fitted_on') or [])}"
 
 
 def heat_color(x: float) -> str:

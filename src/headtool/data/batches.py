@@ -637,6 +637,20 @@ def blocks_read() -> Iterator[list[dict]]:
         del _READ_LOGS[next(i for i, x in enumerate(_READ_LOGS) if x is seen)]
 
 
+_EVALUATING: list[bool] = []
+
+
+@contextmanager
+def evaluation_reads() -> Iterator[None]:
+    """Batches made inside are only evaluated on (a command's --eval-data, a recipe's eval step),
+    not fitted to: the logs of `blocks_read` see them with "role": "eval"."""
+    _EVALUATING.append(True)
+    try:
+        yield
+    finally:
+        _EVALUATING.pop()
+
+
 def leading_blocks(info: dict) -> dict[tuple[str, int, int], int]:
     """(source, seq_len, seed) -> how many of the source's first blocks (in its seeded order) a
     Batches read, skipped ones included; every part of a mixture but `self`. A single-source cut
@@ -660,8 +674,9 @@ def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = 
     (``resolve_auto``).
     """
     out = _make_batches(spec, tokenizer, task, model)
+    entry = {**out.info, "role": "eval"} if _EVALUATING else out.info
     for log_ in _READ_LOGS:
-        log_.append(out.info)
+        log_.append(entry)
     return out
 
 

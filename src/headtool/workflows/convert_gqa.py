@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
-from ..data.batches import resolve_auto
+from ..data.batches import blocks_read, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -27,6 +27,7 @@ from ..surgery.merging import (
 )
 from ..surgery.streaming import open_checkpoint, stream_convert_mean
 from .data_plan import calibration_blocks, with_default_blocks
+from .provenance import RECORD, written_record
 from .requests import ConvertRequest, parse_anchor
 
 @dataclass
@@ -92,7 +93,8 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
     check_target(lm.adapter, lm.geometry, req.kv_heads)
     check_output_target(req.output, lm.path, req.overwrite)
-    done = convert_loaded(lm, req, calib_device=calib_device)
+    with blocks_read() as seen:
+        done = convert_loaded(lm, req, calib_device=calib_device)
     best, before, results, eval_before = done.best, done.before, done.results, done.eval_before
     cal, held, ev, methods = done.calibration, done.heldout, done.evaluation, done.methods
     after = summary_figures(best.model, lm.adapter)
@@ -118,6 +120,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
                     "damping": req.damping, "anchor": req.anchor},
         "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
                                              "calibration_data", "heldout_data", "eval_data")},
+        RECORD: written_record(seen, lm.path),
     }
     written = write_output(req.output, model=best.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                            card_table=card_table(summary), overwrite=req.overwrite, shard_size=req.shard_size)

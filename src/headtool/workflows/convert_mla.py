@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..console import info
-from ..data.batches import resolve_auto
+from ..data.batches import blocks_read, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -29,6 +29,7 @@ from ..surgery.latent import (
     summary_figures,
 )
 from .data_plan import calibration_blocks, with_default_blocks
+from .provenance import RECORD, written_record
 from .requests import LatentRequest, parse_anchor
 
 
@@ -175,9 +176,11 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
     require_resident_weights(lm.model, "convert-mla", CONVERT_INSTEAD)
     latent_target(lm, req)  # an impossible target is refused before the output folder is looked at
     check_output_target(req.output, lm.path, req.overwrite)
-    done = convert_mla_loaded(lm, req)
+    with blocks_read() as seen:
+        done = convert_mla_loaded(lm, req)
     summary = done.summary
-    written = write_output(req.output, model=done.conv.model, tokenizer=lm.tokenizer, source=lm, meta=done.meta,
+    meta = {**done.meta, RECORD: written_record(seen, lm.path)}
+    written = write_output(req.output, model=done.conv.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                            card_table=card_table(summary), overwrite=req.overwrite, shard_size=req.shard_size)
     summary["config_kind"] = written["config_kind"]
     summary["path"] = written["path"]

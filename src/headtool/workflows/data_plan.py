@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..console import info
-from ..data.batches import Batches, leading_blocks, make_batches, mixture_schedule
+from ..data.batches import Batches, evaluation_reads, leading_blocks, make_batches, mixture_schedule
 from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
 
@@ -131,5 +131,6 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
              + (f" ({out.held.info['samples']} held out from {out.held.info.get('source')})" if out.held else ""))
     if eval_data:
         espec = eval_spec(spec, eval_data, eval_samples, out.used, out.held)[0]
-        out.ev = make_batches(espec, tokenizer, task, model=model)
+        with evaluation_reads():
+            out.ev = make_batches(espec, tokenizer, task, model=model)
     return out

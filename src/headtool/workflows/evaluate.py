@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..console import info
-from ..data.batches import make_batches
+from ..console import info, warn
+from ..data.batches import make_batches, resolve_auto
 from ..errors import UsageError
 from ..measure.evaluation import (
     evaluate,
@@ -28,6 +28,7 @@ from ..measure.speed import (
 from ..model.info import model_info
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import LoadOptions
+from .provenance import EvalCut, evaluation_cut, fitted_sources, folder_record
 from .requests import EvalRequest
 
 
@@ -56,6 +57,8 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     first_tok = None
     reference: list[torch.Tensor] | None = None
     resolved = objective
+    records = {ref: folder_record(ref) for ref in refs}
+    cut = None
     for ref in refs:
         lm = load_model(ref, **load_kwargs)
         if batches is None:
@@ -63,7 +66,9 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
             if lm.tokenizer is None:
                 raise UsageError(f"{ref}: no tokenizer files beside the model")
             first_tok = lm.tokenizer
-            batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved], model=lm)  # self: the first model's
+            cut = evaluation_cut(resolve_auto(spec, lm.tokenizer, lm, DATA_TASK[resolved]), records)
+            _say_cut(cut)
+            batches = make_batches(cut.spec, lm.tokenizer, DATA_TASK[resolved], model=lm)  # self: the first model's
         elif not tokenizers_agree(first_tok, lm.tokenizer):
             raise UsageError(f"{ref} uses another tokenizer than {refs[0]}; eval compares models on the "
                              "same token batches, so they must share a tokenizer")
@@ -76,12 +81,32 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         else:
             res = evaluate(lm.model, batches.batches, resolved, label=f"eval {ref}")
         figures = model_info(lm.model, lm.adapter)
+        record = records[ref]
         results.append({"model": ref, "path": lm.path, **res, "params": figures["params"],
+                        "fitted_on": fitted_sources(record) if record is not None else None,
+                        "in_domain": cut.in_domain[ref],
                         "total_heads": figures["total_heads"], "total_kv_heads": figures["total_kv_heads"],
                         "kv_cache_bytes_per_token": figures["kv_cache_bytes_per_token"],
                         **{k: figures[k] for k in ("kv_rank", "rope_dim") if k in figures}})
         del lm
     return {"objective": resolved, "data": batches.info, "results": results}
+
+
+def _say_cut(cut: EvalCut) -> None:
+    """Where the evaluation starts and why, and what it cannot rule out, on stderr (the table marks
+    the in-domain models)."""
+    source, models = cut.spec.source, ", ".join(cut.read_by)
+    if cut.overlaps:
+        warn(f"--skip-samples {cut.spec.skip_samples}: the evaluation reads blocks of {source} that {models} "
+             f"{'was' if len(cut.read_by) == 1 else 'were'} fitted on (the first {cut.needed}): a figure on them "
+             f"flatters; --skip-samples {cut.needed} starts after them")
+    elif cut.needed and cut.spec.skip_samples == cut.needed:
+        info(f"eval: starting after the first {cut.needed} blocks of {source}: {models} "
+             f"{'was' if len(cut.read_by) == 1 else 'were'} fitted on them")
+    if cut.other_cut:
+        warn(f"{', '.join(cut.other_cut)} read {source} in blocks of another --seq-len or --seed: the evaluated "
+             "text may overlap what they were fitted on (give the --seq-len and --seed they used, recorded in "
+             "their headtool.json under data_read, to start after it)")
 
 
 def eval_loaded(lm: LoadedModel, req: EvalRequest, original: torch.nn.Module | None = None,

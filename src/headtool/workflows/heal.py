@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..data.batches import make_batches, resolve_auto
+from ..data.batches import blocks_read, make_batches, resolve_auto
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -20,6 +20,7 @@ from ..model.placement import require_resident_weights
 from ..model.refs import resolve_ref
 from ..train.healing import STATE_FILE, HealOptions, heal_model, memory_figures, state_folder
 from .data_plan import part_blocks
+from .provenance import RECORD, written_record
 from .requests import HealRequest
 
 
@@ -119,7 +120,8 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
                          "the same head (or both headless)")
     objective = OBJECTIVE_OF_TASK.get(student.task)
-    train, held = heal_batches(req, tok, student.task, teacher, world)
+    with blocks_read() as seen:
+        train, held = heal_batches(req, tok, student.task, teacher, world)
     out_dtype = next(student.model.parameters()).dtype
     student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
     identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,
@@ -143,6 +145,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         meta = {k: v for k, v in doc.items() if k not in ("format", "train_losses", "distill_losses")}
         meta["operation"] = "heal"
         meta["heal_format"] = doc["format"]
+        meta[RECORD] = written_record(seen, student.path)
         prior = Path(student.path) / "headtool.json"
         if prior.is_file():
             try:

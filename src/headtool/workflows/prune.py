@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..console import info
-from ..data.batches import make_batches, resolve_auto
+from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_auto
 from ..data.sources import DataSpec, is_auto, reads_stdin
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
@@ -30,6 +30,7 @@ from ..surgery.selection import (
 )
 from ..surgery.streaming import prune_checkpoint_streaming
 from .data_plan import eval_spec, heldout_spec, with_default_blocks
+from .provenance import RECORD, written_record
 from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
 
 
@@ -85,7 +86,8 @@ def run_prune(req: PruneRequest) -> PruneRun:
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
     if not req.dry_run:
         check_output_target(req.output, lm.path, req.overwrite)
-    done = prune_loaded(lm, req, calib_device=calib_device)
+    with blocks_read() as seen:
+        done = prune_loaded(lm, req, calib_device=calib_device)
     result, target, score_info, eval_info = done.result, done.target, done.score_info, done.eval_info
     spec = done.data
     kind = output_kind(lm.model)
@@ -102,7 +104,8 @@ def run_prune(req: PruneRequest) -> PruneRun:
             "scores": score_info or None, "options": options,
             "kept_heads": [list(k) for k in result.selection.kept],
             "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
-            "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary}
+            "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary,
+            RECORD: written_record(seen, lm.path)}
     written = None
     if not req.dry_run:
         written = write_output(req.output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
@@ -349,7 +352,8 @@ def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
         if eval_objective == "kl":
             raise UsageError("--eval-data needs a model with an LM head (there is no loss to report otherwise)")
         espec, skip = eval_spec(spec, eval_data, eval_samples, used, held)
-        eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
+        with evaluation_reads():
+            eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
     return calib, heldout, eval_batches, eval_objective, eval_info, compare_batches

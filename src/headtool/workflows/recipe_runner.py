@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import yaml
 
 from ..console import info, warn
-from ..data.batches import blocks_read, leading_blocks
+from ..data.batches import blocks_read, evaluation_reads, leading_blocks
 from ..data.selfgen import can_sample
 from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source
 from ..errors import UsageError
@@ -37,6 +38,7 @@ from .convert_gqa import convert_loaded
 from .convert_mla import convert_mla_loaded, latent_target
 from .evaluate import eval_loaded
 from .heal import heal_loaded
+from .provenance import RECORD, written_record
 from .prune import prune_loaded, prune_target
 from .recipe_schema import STEP_REQUESTS, Recipe, resolved, step_data, step_options, validate
 from .score import score_loaded
@@ -285,12 +287,14 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     if (any(s["step"] in ("eval", "heal") for s in recipe.steps) or _samples_itself(recipe, lm)) and not offloaded:
         ctx.original = copy.deepcopy(lm.model)  # (offloaded: only score/eval steps, the model stays unchanged)
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
+    reads: list[dict] = []
     for i, step in enumerate(recipe.steps):
         t0 = time.perf_counter()
-        with blocks_read() as seen:
+        with blocks_read() as seen, (evaluation_reads() if step["step"] == "eval" else nullcontext()):
             figures = STEPS[step["step"]](ctx, step)
-        if step["step"] != "eval":
-            for batch_info in seen:
+        reads += seen
+        for batch_info in seen:  # what later eval steps start after: the blocks a step fitted on
+            if batch_info.get("role") != "eval":
                 for key, n in leading_blocks(batch_info).items():
                     ctx.read[key] = max(n, ctx.read.get(key, 0))
         row = summary_row(step["step"], figures, model_info(ctx.lm.model, ctx.lm.adapter), time.perf_counter() - t0)
@@ -302,7 +306,8 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         meta = {"operation": "recipe", "recipe": resolved(recipe), "steps": rows,
                 "source_fingerprint": source_fingerprint,
                 "num_heads": [g.num_heads for g in ctx.lm.geometry],
-                "num_kv_heads": [g.num_kv_heads for g in ctx.lm.geometry], **ctx.meta}
+                "num_kv_heads": [g.num_kv_heads for g in ctx.lm.geometry], **ctx.meta,
+                RECORD: written_record(reads, lm.path)}
         card = "Recipe:\n\n```yaml\n" + yaml.safe_dump(resolved(recipe), sort_keys=False) + "```\n"
         result["output"] = write_output(out, model=ctx.lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                                         card_table=card, overwrite=ow, shard_size=v.get("shard_size", "5GB"))
