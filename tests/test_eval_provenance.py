@@ -174,3 +174,17 @@ def test_the_cut_of_records_by_hand():
     assert whole.spec.skip_samples == 6
     other = evaluation_cut(DataSpec(source="c.txt", seq_len=16), {"m": record})
     assert other.spec.skip_samples == 0 and other.in_domain == {"m": False}
+
+
+def test_scores_read_in_an_earlier_run_count_as_fitted_on(tmp_path, prose):
+    src = save_tiny("llama", tmp_path / "src", num_hidden_layers=2)
+    scores = tmp_path / "scores.json"
+    res = runner.invoke(app, ["score", str(src), "--data", str(prose), "--max-samples", "5", *BLOCKS,
+                              "-o", str(scores)])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "p"
+    res = runner.invoke(app, ["prune", str(src), "--scores", str(scores), "--fraction", "0.25", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert _fitted(out, str(prose)) == 5
+    doc, _ = _eval(src, out, "--data", str(prose), "--max-samples", "2", *BLOCKS)
+    assert doc["data"]["skip_samples"] == 5 and doc["results"][1]["fitted_on"] == [str(prose)]

@@ -66,10 +66,10 @@ def folder_record(path: str | Path | None) -> list[dict] | None:
     return record if isinstance(record, list) else None
 
 
-def written_record(infos: Iterable[dict], source_path: str | Path | None) -> list[dict]:
+def written_record(infos: Iterable[dict], source_path: str | Path | None, *also: list[dict]) -> list[dict]:
     """What a command that writes a model records: the blocks it read (`blocks_read`), with what
-    the model it started from had recorded."""
-    return merged(read_entries(infos), folder_record(source_path))
+    the model it started from had recorded (and `also`: reads of earlier runs it used)."""
+    return merged(read_entries(infos), folder_record(source_path), *also)
 
 
 def fitted_sources(record: list[dict]) -> list[str]:

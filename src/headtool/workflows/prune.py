@@ -30,7 +30,7 @@ from ..surgery.selection import (
 )
 from ..surgery.streaming import prune_checkpoint_streaming
 from .data_plan import eval_spec, heldout_spec, with_default_blocks
-from .provenance import RECORD, written_record
+from .provenance import RECORD, read_entries, written_record
 from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
 
 
@@ -105,7 +105,8 @@ def run_prune(req: PruneRequest) -> PruneRun:
             "kept_heads": [list(k) for k in result.selection.kept],
             "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
             "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary,
-            RECORD: written_record(seen, lm.path)}
+            RECORD: written_record(seen, lm.path, read_entries([score_info["data"]])  # a score document's
+                                   if score_info.get("from") != "data" and score_info.get("data") else [])}
     written = None
     if not req.dry_run:
         written = write_output(req.output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
