@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from headtool.cli.app import app
 from headtool.data.batches import make_batches
 from headtool.data.sources import DataSpec
-from headtool.workflows.provenance import evaluation_cut, folder_record, merged, read_entries
+from headtool.io.provenance import evaluation_cut, folder_record, merged, read_entries
 from tiny_models import save_tiny, tokenizer_for
 
 runner = CliRunner()
@@ -188,3 +188,11 @@ def test_scores_read_in_an_earlier_run_count_as_fitted_on(tmp_path, prose):
     assert _fitted(out, str(prose)) == 5
     doc, _ = _eval(src, out, "--data", str(prose), "--max-samples", "2", *BLOCKS)
     assert doc["data"]["skip_samples"] == 5 and doc["results"][1]["fitted_on"] == [str(prose)]
+
+
+def test_the_model_card_says_what_text_the_model_was_fitted_on(pruned):
+    _, out = pruned
+    card = (out / "README.md").read_text()
+    n = _fitted(out, "builtin:pydoc")
+    assert f"- fitted on `builtin:pydoc`: its first {n} blocks of 16 tokens (seed 0)" in card
+    assert "- only evaluated on `builtin:licenses`: its first 2 blocks" in card

@@ -24,6 +24,7 @@ from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
+from .provenance import RECORD, card_lines
 from .sizes import parse_size
 
 FORMAT = "headtool.surgery/1"
@@ -172,6 +173,7 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
     ]
     if card_table:
         lines += ["## Summary", "", card_table.strip(), ""]
+    lines += card_lines(meta.get(RECORD))
     lines += ["`headtool.json` records the source fingerprint, the method and options, and the query heads "
               "kept in every layer (original indices).", ""]
     return "\n".join(lines)

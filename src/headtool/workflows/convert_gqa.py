@@ -10,6 +10,7 @@ from ..data.batches import blocks_read, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
+from ..io.provenance import RECORD, written_record
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -27,7 +28,6 @@ from ..surgery.merging import (
 )
 from ..surgery.streaming import open_checkpoint, stream_convert_mean
 from .data_plan import calibration_blocks, with_default_blocks
-from .provenance import RECORD, written_record
 from .requests import ConvertRequest, parse_anchor
 
 @dataclass

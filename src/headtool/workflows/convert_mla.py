@@ -13,6 +13,7 @@ from ..data.batches import blocks_read, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
+from ..io.provenance import RECORD, written_record
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.loading import LoadedModel, load_model
@@ -29,7 +30,6 @@ from ..surgery.latent import (
     summary_figures,
 )
 from .data_plan import calibration_blocks, with_default_blocks
-from .provenance import RECORD, written_record
 from .requests import LatentRequest, parse_anchor
 
 

@@ -14,13 +14,13 @@ from ..data.batches import blocks_read, make_batches, resolve_auto
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
+from ..io.provenance import RECORD, written_record
 from ..measure.evaluation import tokenizers_agree
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
 from ..model.refs import resolve_ref
 from ..train.healing import STATE_FILE, HealOptions, heal_model, memory_figures, state_folder
 from .data_plan import part_blocks
-from .provenance import RECORD, written_record
 from .requests import HealRequest
 
 

@@ -10,6 +10,7 @@ from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_
 from ..data.sources import DataSpec, is_auto, reads_stdin
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
+from ..io.provenance import RECORD, read_entries, written_record
 from ..io.sizes import parse_size
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -30,7 +31,6 @@ from ..surgery.selection import (
 )
 from ..surgery.streaming import prune_checkpoint_streaming
 from .data_plan import eval_spec, heldout_spec, with_default_blocks
-from .provenance import RECORD, read_entries, written_record
 from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
 
 

@@ -21,6 +21,7 @@ from ..data.selfgen import can_sample
 from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
+from ..io.provenance import RECORD, written_record
 from ..measure.scores_doc import build_document, write_document
 from ..measure.scoring import ScoreResult
 from ..model.info import model_info
@@ -38,7 +39,6 @@ from .convert_gqa import convert_loaded
 from .convert_mla import convert_mla_loaded, latent_target
 from .evaluate import eval_loaded
 from .heal import heal_loaded
-from .provenance import RECORD, written_record
 from .prune import prune_loaded, prune_target
 from .recipe_schema import STEP_REQUESTS, Recipe, resolved, step_data, step_options, validate
 from .score import score_loaded

@@ -72,6 +72,21 @@ def written_record(infos: Iterable[dict], source_path: str | Path | None, *also:
     return merged(read_entries(infos), folder_record(source_path), *also)
 
 
+def card_lines(record: list[dict] | None) -> list[str]:
+    """The model card's account of the text the model was fitted on (and evaluated on only)."""
+    if not record:
+        return []
+    lines = ["## Text it was fitted on", ""]
+    for role, what in ((FIT, "fitted on"), (EVAL, "only evaluated on")):
+        for e in record:
+            if e.get("role", FIT) == role and not e.get("part"):
+                lines.append(f"- {what} `{e['source']}`: its first {e['blocks']} blocks of {e.get('seq_len')} "
+                             f"tokens (seed {e.get('seed')})")
+    lines += ["", "Perplexity on the domains it was fitted on flatters it; evaluate on the text it will serve. "
+              "`headtool eval` starts after these blocks (headtool.json, `data_read`).", ""]
+    return lines
+
+
 def fitted_sources(record: list[dict]) -> list[str]:
     """The sources (as given: a mixture whole) a record's model was fitted on."""
     return sorted({e["source"] for e in record if e.get("role", FIT) == FIT and not e.get("part")})
