@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from headtool.cli.app import app
 from headtool.data.batches import make_batches
 from headtool.data.sources import DataSpec
-from headtool.io.provenance import evaluation_cut, folder_record, merged, read_entries
+from headtool.io.provenance import folder_record, merged, read_entries
+from headtool.workflows.data_plan import evaluation_cut
 from tiny_models import save_tiny, tokenizer_for
 
 runner = CliRunner()

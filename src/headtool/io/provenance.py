@@ -3,19 +3,16 @@
 Every command that writes a model (prune, convert-gqa, convert-mla, heal, recipes) records in
 headtool.json, under `data_read`, how many leading blocks of each source it read: to fit (scores,
 refits, merges, factorizations, training) or only to evaluate, together with what the model it
-started from had recorded. `headtool eval` reads these records: its blocks start after every block
-any of the models read of the evaluated source (the same cut prune's --eval-data and recipes
-make), and it says which models were fitted on the evaluated text's domain, where a figure
-flatters them.
+started from had recorded. `headtool eval` reads these records (`data_plan.evaluation_cut`): its
+blocks start after every block any of the models was fitted on of the evaluated source (the same
+cut prune's --eval-data and recipes make), and it marks the models fitted on the evaluated text's
+domain, where a figure flatters them. The model card lists the same texts.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
-
-from ..data.sources import DataSpec, parse_sources
 
 RECORD = "data_read"
 FIT, EVAL = "fit", "eval"
@@ -90,43 +87,3 @@ def card_lines(record: list[dict] | None) -> list[str]:
 def fitted_sources(record: list[dict]) -> list[str]:
     """The sources (as given: a mixture whole) a record's model was fitted on."""
     return sorted({e["source"] for e in record if e.get("role", FIT) == FIT and not e.get("part")})
-
-
-@dataclass(frozen=True)
-class EvalCut:
-    """The evaluation data after the cut and what the models read of it."""
-
-    spec: DataSpec
-    needed: int  # blocks of spec.source (same block length and seed) that some model read
-    read_by: tuple[str, ...]  # the models that read them
-    in_domain: dict[str, bool | None]  # fitted on one of the evaluated sources (None: no record)
-    other_cut: tuple[str, ...]  # read the source in blocks of another length or seed: may overlap
-
-    @property
-    def overlaps(self) -> bool:
-        """The evaluation reads blocks a model read (a --skip-samples below what they read)."""
-        return self.spec.skip_samples < self.needed
-
-
-def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> EvalCut:
-    """`spec` started after every block any model was fitted on of its source with the same block
-    length and seed, unless --skip-samples says where to start; which models were fitted on one of its
-    sources; and which read its source with another block length or seed (those blocks cannot be
-    skipped exactly: the text may overlap)."""
-    names = {spec.source, *(p.source for p in parse_sources(spec.source))}
-    needed, read_by, other = 0, [], []
-    in_domain: dict[str, bool | None] = {}
-    for ref, record in records.items():
-        in_domain[ref] = None if record is None else any(
-            e["source"] in names for e in record if e.get("role", FIT) == FIT)
-        for e in record or ():
-            if e["source"] != spec.source or e.get("role", FIT) != FIT:
-                continue  # (blocks a command only evaluated on need no skipping: eval may report on them too)
-            same_cut = (e.get("seq_len"), e.get("seed")) == (spec.seq_len, spec.seed)
-            needed = max(needed, int(e["blocks"])) if same_cut else needed
-            group = read_by if same_cut else other
-            if ref not in group:
-                group.append(ref)
-    if spec.skip_samples == 0 and needed:
-        spec = replace(spec, skip_samples=needed)
-    return EvalCut(spec, needed, tuple(read_by), in_domain, tuple(other))

@@ -10,6 +10,7 @@ from ..console import info
 from ..data.batches import Batches, evaluation_reads, leading_blocks, make_batches, mixture_schedule
 from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
+from ..io.provenance import FIT
 
 
 def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec | None:
@@ -134,3 +135,43 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
         with evaluation_reads():
             out.ev = make_batches(espec, tokenizer, task, model=model)
     return out
+
+
+@dataclass(frozen=True)
+class EvalCut:
+    """The evaluation data after the cut and what the models read of it."""
+
+    spec: DataSpec
+    needed: int  # blocks of spec.source (same block length and seed) that some model read
+    read_by: tuple[str, ...]  # the models that read them
+    in_domain: dict[str, bool | None]  # fitted on one of the evaluated sources (None: no record)
+    other_cut: tuple[str, ...]  # read the source in blocks of another length or seed: may overlap
+
+    @property
+    def overlaps(self) -> bool:
+        """The evaluation reads blocks a model read (a --skip-samples below what they read)."""
+        return self.spec.skip_samples < self.needed
+
+
+def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> EvalCut:
+    """`spec` started after every block any model was fitted on of its source with the same block
+    length and seed, unless --skip-samples says where to start; which models were fitted on one of its
+    sources; and which read its source with another block length or seed (those blocks cannot be
+    skipped exactly: the text may overlap)."""
+    names = {spec.source, *(p.source for p in parse_sources(spec.source))}
+    needed, read_by, other = 0, [], []
+    in_domain: dict[str, bool | None] = {}
+    for ref, record in records.items():
+        in_domain[ref] = None if record is None else any(
+            e["source"] in names for e in record if e.get("role", FIT) == FIT)
+        for e in record or ():
+            if e["source"] != spec.source or e.get("role", FIT) != FIT:
+                continue  # (blocks a command only evaluated on need no skipping: eval may report on them too)
+            same_cut = (e.get("seq_len"), e.get("seed")) == (spec.seq_len, spec.seed)
+            needed = max(needed, int(e["blocks"])) if same_cut else needed
+            group = read_by if same_cut else other
+            if ref not in group:
+                group.append(ref)
+    if spec.skip_samples == 0 and needed:
+        spec = replace(spec, skip_samples=needed)
+    return EvalCut(spec, needed, tuple(read_by), in_domain, tuple(other))

@@ -10,7 +10,7 @@ import torch
 from ..console import info, warn
 from ..data.batches import make_batches, resolve_auto
 from ..errors import UsageError
-from ..io.provenance import EvalCut, evaluation_cut, fitted_sources, folder_record
+from ..io.provenance import fitted_sources, folder_record
 from ..measure.evaluation import (
     evaluate,
     hidden_agreement,
@@ -29,6 +29,7 @@ from ..measure.speed import (
 from ..model.info import model_info
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import LoadOptions
+from .data_plan import EvalCut, evaluation_cut
 from .requests import EvalRequest
 
 
