@@ -530,7 +530,8 @@ def render(doc: dict) -> str:
             if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)
                 chosen = (r.get("allocation") or {}).get("normalize")
                 change += f", `--normalize {r['normalize']}`" + (
-                    f" (chose {chosen})" if chosen and chosen != r["normalize"] else "")
+                    f" (chose {chosen})" if chosen and chosen != r["normalize"] else
+                    " (as scored)" if not chosen and r["normalize"] == "auto" else "")
         elif r["kind"] == "convert" and r.get("refit"):
             change += f" + refit `--anchor {r.get('anchor') or 0}`"
         if r.get("heldout_data"):
