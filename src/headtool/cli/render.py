@@ -77,8 +77,8 @@ def eval_table(result: dict[str, Any]) -> Table:
         t.add_column(col, justify="left" if col == "model" else "right")
     base = res[0]
     if any(r.get("in_domain") for r in res):
-        t.caption = (f"* fitted on {d.get('source')}'s domain ({'; '.join(_fitted(r) for r in res if r.get('in_domain'))}): "
-                     "in-domain figures flatter")
+        fitted = "; ".join(_fitted(r) for r in res if r.get("in_domain"))
+        t.caption = f"* fitted on {d.get('source')}'s domain ({fitted}): in-domain figures flatter"
         t.caption_justify = "left"
     for r in res:
         dl = r["loss"] - base["loss"]

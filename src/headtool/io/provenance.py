@@ -44,9 +44,12 @@ def merged(*records: Iterable[dict] | None) -> list[dict]:
 
 
 def _entries(seen: dict[tuple, int]) -> list[dict]:
-    return [{"source": s, "seq_len": n, "seed": seed, "role": role, "blocks": blocks, **({"part": True} if part
-                                                                                        else {})}
-            for (s, n, seed, role, part), blocks in sorted(seen.items(), key=lambda kv: tuple(map(str, kv[0])))]
+    """JSON entries of (source, seq_len, seed, role, part) -> blocks, in a stable order."""
+    out = []
+    for (source, seq_len, seed, role, part), blocks in sorted(seen.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        entry = {"source": source, "seq_len": seq_len, "seed": seed, "role": role, "blocks": blocks}
+        out.append({**entry, "part": True} if part else entry)
+    return out
 
 
 def folder_record(path: str | Path | None) -> list[dict] | None:
