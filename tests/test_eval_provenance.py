@@ -197,3 +197,23 @@ def test_the_model_card_says_what_text_the_model_was_fitted_on(pruned):
     n = _fitted(out, "builtin:pydoc")
     assert f"- fitted on `builtin:pydoc`: its first {n} blocks of 16 tokens (seed 0)" in card
     assert "- only evaluated on `builtin:licenses`: its first 2 blocks" in card
+
+
+def test_a_commands_own_evaluation_on_its_calibration_source_is_marked_in_domain(tmp_path, prose):
+    src = save_tiny("llama", tmp_path / "src", num_hidden_layers=2)
+    common = ["--data", str(prose), "--max-samples", "4", *BLOCKS, "--eval-samples", "2"]
+    for eval_data, expected in ((str(prose), True), ("builtin:licenses", False)):
+        out = tmp_path / f"p{expected}"
+        res = runner.invoke(app, ["prune", str(src), "--fraction", "0.25", "--compensate", "--normalize", "layer",
+                                  *common, "--eval-data", eval_data, "-o", str(out), "--json"],
+                            env={"COLUMNS": "250"})
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["eval_data"]["in_domain"] is expected
+        assert ("in-domain: the model was fitted on this text's source" in res.stderr) is expected
+        for name, command in (("gqa", ["convert-gqa", "--kv-heads", "1", "--merge", "fit"]),
+                              ("mla", ["convert-mla", "--kv-cache", "1/2"])):
+            res = runner.invoke(app, [command[0], str(src), *command[1:], *common, "--eval-data", eval_data,
+                                      "-o", str(tmp_path / f"{name}{expected}"), "--json"], env={"COLUMNS": "250"})
+            assert res.exit_code == 0, res.output
+            assert json.loads(res.stdout)["eval_data"]["in_domain"] is expected
+            assert ("in-domain: the model was fitted on this text's source" in res.stderr) is expected

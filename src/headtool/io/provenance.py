@@ -87,6 +87,18 @@ def card_lines(record: list[dict] | None) -> list[str]:
     return lines
 
 
+def fitted_on(record: list[dict], info: dict | None) -> bool:
+    """Was the record's model fitted on the source of `info` (a Batches info), or on one of its
+    mixture's parts? Then a figure measured on it is in-domain and flatters."""
+    if not info:
+        return False
+    names = {info.get("source"), *(p.get("source") for p in info.get("mixture") or [])}
+    return any(e["source"] in names for e in record if e.get("role", FIT) == FIT)
+
+
+IN_DOMAIN_NOTE = "in-domain: the model was fitted on this text's source, so the figure flatters"
+
+
 def fitted_sources(record: list[dict]) -> list[str]:
     """The sources (as given: a mixture whole) a record's model was fitted on."""
     return sorted({e["source"] for e in record if e.get("role", FIT) == FIT and not e.get("part")})

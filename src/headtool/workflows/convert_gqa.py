@@ -10,7 +10,7 @@ from ..data.batches import blocks_read, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, written_record
+from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -122,6 +122,8 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
                                              "calibration_data", "heldout_data", "eval_data")},
         RECORD: written_record(seen, lm.path),
     }
+    if ev:
+        summary["eval_data"] = {**ev.info, "in_domain": fitted_on(meta[RECORD], ev.info)}
     written = write_output(req.output, model=best.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                            card_table=card_table(summary), overwrite=req.overwrite, shard_size=req.shard_size)
     summary["config_kind"] = written["config_kind"]

@@ -10,7 +10,7 @@ from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_
 from ..data.sources import DataSpec, is_auto, reads_stdin
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
-from ..io.provenance import RECORD, read_entries, written_record
+from ..io.provenance import RECORD, fitted_on, read_entries, written_record
 from ..io.sizes import parse_size
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -107,6 +107,8 @@ def run_prune(req: PruneRequest) -> PruneRun:
             "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary,
             RECORD: written_record(seen, lm.path, read_entries([score_info["data"]])  # a score document's
                                    if score_info.get("from") != "data" and score_info.get("data") else [])}
+    if eval_info:
+        eval_info["in_domain"] = fitted_on(meta[RECORD], eval_info)
     written = None
     if not req.dry_run:
         written = write_output(req.output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,

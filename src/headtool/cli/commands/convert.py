@@ -7,6 +7,7 @@ import typer
 
 from ...console import err_console, info, print_json
 from ...data.sources import AUTO_SOURCE
+from ...io.provenance import IN_DOMAIN_NOTE
 from ...workflows.requests import ConvertRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
@@ -43,9 +44,10 @@ def _tables(summary: dict[str, Any]):
                                     f"({summary['kv_cache_reduction']:.2f}x smaller)")
     t.add_row("written", f"{summary['chosen']}" + (f" ({summary['config_kind']} config)"
                                                   if summary.get("config_kind") else ""))
-    m = Table(title="merge methods" + (f" (eval: {summary['eval_data']['samples']} blocks of "
-                                       f"{summary['eval_data']['source']}, held out)" if summary.get("eval_data") else ""),
-              title_justify="left")
+    ev_data = summary.get("eval_data")
+    m = Table(title="merge methods" + (f" (eval: {ev_data['samples']} blocks of {ev_data['source']}, held out"
+                                       + (f"; {IN_DOMAIN_NOTE}" if ev_data.get("in_domain") else "") + ")"
+                                       if ev_data else ""), title_justify="left")
     for col in ("method", "refit layers kept", "held-out calib loss", "eval loss", "perplexity", "time"):
         m.add_column(col, justify="left" if col == "method" else "right")
     if summary.get("eval_before"):

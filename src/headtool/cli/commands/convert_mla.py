@@ -7,6 +7,7 @@ import typer
 
 from ...console import err_console, print_json
 from ...data.sources import AUTO_SOURCE
+from ...io.provenance import IN_DOMAIN_NOTE
 from ...workflows.requests import LatentRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
@@ -50,6 +51,8 @@ def _table(summary: dict[str, Any]):
         ppl = (f"; perplexity {e0['perplexity']:.2f} -> {e1['perplexity']:.2f} "
                f"({e1['perplexity'] / e0['perplexity']:.3f}x)") if "perplexity" in e0 else ""
         t.add_row("eval loss", f"{e0['loss']:.4f} -> {e1['loss']:.4f}{ppl}")
+        if (summary.get("eval_data") or {}).get("in_domain"):
+            t.add_row("", IN_DOMAIN_NOTE)
     t.add_row("written", f"{summary.get('path', summary['output'])} ({summary.get('config_kind')} config; "
                          "load with trust_remote_code=True)")
     return t

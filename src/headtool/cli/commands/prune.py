@@ -46,6 +46,8 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
             protected: set[int] = frozenset()) -> None:
     from rich.table import Table
 
+    from ...io.provenance import IN_DOMAIN_NOTE
+
     from ..render import human_bytes, human_int
 
     t = Table(title=f"headtool prune: {ref}" + (" (dry run)" if dry_run else ""), title_justify="left")
@@ -86,7 +88,8 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
         console.print(result.allocation_line())
     if eval_info:
         console.print(f"eval: {eval_info.get('samples')} blocks, {eval_info.get('tokens')} tokens of "
-                      f"{eval_info.get('source')} (skipping the first {eval_info.get('skip_samples')})")
+                      f"{eval_info.get('source')} (skipping the first {eval_info.get('skip_samples')})"
+                      + (f"; {IN_DOMAIN_NOTE}" if eval_info.get("in_domain") else ""))
     console.print(f"config: {kind}" + (" (loads with trust_remote_code=True; the folder carries its modeling file)"
                                        if kind != "standard" else " (loads with plain from_pretrained)"))
 
