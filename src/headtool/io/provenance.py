@@ -87,13 +87,17 @@ def card_lines(record: list[dict] | None) -> list[str]:
     return lines
 
 
+def fitted_on_any(record: list[dict], sources: set[str]) -> bool:
+    """Was the record's model fitted on one of `sources` (a text's source and its mixture's parts)?
+    Then a figure measured on that text is in-domain and flatters."""
+    return any(e["source"] in sources for e in record if e.get("role", FIT) == FIT)
+
+
 def fitted_on(record: list[dict], info: dict | None) -> bool:
-    """Was the record's model fitted on the source of `info` (a Batches info), or on one of its
-    mixture's parts? Then a figure measured on it is in-domain and flatters."""
+    """`fitted_on_any` for the source of `info` (a Batches info) and its mixture's parts."""
     if not info:
         return False
-    names = {info.get("source"), *(p.get("source") for p in info.get("mixture") or [])}
-    return any(e["source"] in names for e in record if e.get("role", FIT) == FIT)
+    return fitted_on_any(record, {info.get("source"), *(p.get("source") for p in info.get("mixture") or [])})
 
 
 IN_DOMAIN_NOTE = "in-domain: the model was fitted on this text's source, so the figure flatters"

@@ -10,7 +10,7 @@ from ..console import info
 from ..data.batches import Batches, evaluation_reads, leading_blocks, make_batches, mixture_schedule
 from ..data.sources import DataSpec, parse_sources, self_source
 from ..errors import UsageError
-from ..io.provenance import FIT
+from ..io.provenance import FIT, fitted_on_any
 
 
 def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec | None:
@@ -162,8 +162,7 @@ def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> Eva
     needed, read_by, other = 0, [], []
     in_domain: dict[str, bool | None] = {}
     for ref, record in records.items():
-        in_domain[ref] = None if record is None else any(
-            e["source"] in names for e in record if e.get("role", FIT) == FIT)
+        in_domain[ref] = None if record is None else fitted_on_any(record, names)
         for e in record or ():
             if e["source"] != spec.source or e.get("role", FIT) != FIT:
                 continue  # (blocks a command only evaluated on need no skipping: eval may report on them too)

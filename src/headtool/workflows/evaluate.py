@@ -97,13 +97,13 @@ def _say_cut(cut: EvalCut) -> None:
     """Where the evaluation starts and why, and what it cannot rule out, on stderr (the table marks
     the in-domain models)."""
     source, models = cut.spec.source, ", ".join(cut.read_by)
+    were = "was" if len(cut.read_by) == 1 else "were"
     if cut.overlaps:
         warn(f"--skip-samples {cut.spec.skip_samples}: the evaluation reads blocks of {source} that {models} "
-             f"{'was' if len(cut.read_by) == 1 else 'were'} fitted on (the first {cut.needed}): a figure on them "
-             f"flatters; --skip-samples {cut.needed} starts after them")
+             f"{were} fitted on (the first {cut.needed}): a figure on them flatters; --skip-samples {cut.needed} "
+             "starts after them")
     elif cut.needed and cut.spec.skip_samples == cut.needed:
-        info(f"eval: starting after the first {cut.needed} blocks of {source}: {models} "
-             f"{'was' if len(cut.read_by) == 1 else 'were'} fitted on them")
+        info(f"eval: starting after the first {cut.needed} blocks of {source}: {models} {were} fitted on them")
     if cut.other_cut:
         warn(f"{', '.join(cut.other_cut)} read {source} in blocks of another --seq-len or --seed: the evaluated "
              "text may overlap what they were fitted on (give the --seq-len and --seed they used, recorded in "
