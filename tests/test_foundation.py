@@ -224,6 +224,21 @@ def test_command_help_is_prose_that_the_terminal_wraps():
     assert "\n   headtool prune m --heads" in res.stdout  # an indented example keeps its line
 
 
+def test_flags_show_no_value_type_and_still_switch():
+    """typer 0.29 prints `<bool>` beside every on/off flag (as if --json took a value); headtool's
+    help shows flags bare, on the top level and every command, and the flags still parse."""
+    from headtool.cli.app import app as typer_app
+
+    names = [""] + [c.name or c.callback.__name__.replace("_", "-") for c in typer_app.registered_commands]
+    for name in names:
+        res = runner.invoke(app, [*name.split(), "--help"], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, name
+        assert "<bool>" not in res.stdout, name
+        assert "--help" in res.stdout
+    res = runner.invoke(app, ["info", "smollm2-135m", "--json"])
+    assert res.exit_code == 0 and res.stdout.lstrip().startswith("{")
+
+
 def test_typer_is_a_pinned_version_and_its_usage_errors_pass_through():
     """cli/app.py reaches into typer: the installed version must be in the range pyproject pins
     (the range the CLI tests ran with), and a click usage error raised by typer's own parser (an

@@ -47,16 +47,30 @@ def reflow_help(text: str | None) -> str | None:
     return "\n\n".join(paragraphs)
 
 
+def quiet_flags(params) -> None:
+    """Show no value type beside on/off flags: typer >= 0.29 prints `<bool>` after every flag
+    (--compensate, --json, even --help), which reads as if the flag took a value."""
+    for param in params:
+        if getattr(param, "is_flag", False) and getattr(param, "metavar", "") is None:
+            param.metavar = ""
+
+
 class HeadtoolGroup(TyperGroup):
     """Maps headtool's errors to one line on stderr and an exit code (2 usage, 1 failure); shows
-    each command's help as reflowed prose (reflow_help)."""
+    each command's help as reflowed prose (reflow_help) with bare flags (quiet_flags)."""
 
     def get_command(self, ctx, cmd_name):
         cmd = super().get_command(ctx, cmd_name)
         if cmd is not None and not getattr(cmd, "_headtool_reflowed", False):
             cmd.help = reflow_help(cmd.help)
+            quiet_flags([*cmd.params, cmd.get_help_option(ctx)])
             cmd._headtool_reflowed = True
         return cmd
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        quiet_flags(params)
+        return params
 
     def invoke(self, ctx):
         try:
