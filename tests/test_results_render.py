@@ -141,3 +141,28 @@ def test_heal_variants_parse_and_override_any_option():
     assert variant_label({}) == "" and variant_label({"lr": 0.001}) == " (lr 0.001)"
     with pytest.raises(SystemExit, match="HealOptions field"):
         parse_variant("learning_rate=1")
+
+
+def test_the_calibration_size_runs_render_as_one_table_in_block_order():
+    """Runs of bench_cross_domain that differ only in --cal become one table (what more calibration
+    text buys), rows by block count whatever order the files come in, each figure from its run."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+
+    paths = sorted((ROOT / "benchmarks" / "results").glob("cross_domain_blocks_*.json"))
+    assert len(paths) >= 2
+    docs = [json.loads(p.read_text()) for p in paths]
+    text = render_results.calibration_size_section(list(reversed(docs)))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    blocks = [int(line.split("|")[1]) for line in rows]
+    assert blocks == sorted(blocks) and set(blocks) == {d["settings"]["cal"] for d in docs}
+    for doc in docs:
+        ours = [line for line in rows if int(line.split("|")[1]) == doc["settings"]["cal"]]
+        prunes = [r for r in doc["rows"] if r["kind"] == "prune"]
+        assert len(ours) == len(prunes)
+        for line, r in zip(ours, prunes):
+            assert f"| {r['eval']['legal']['ratio']:.2f}x |" in line
+        assert f"`{doc['command']}`" in text
+    assert text.count("### ") == 1
