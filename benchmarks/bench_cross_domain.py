@@ -15,7 +15,7 @@ does; the recipe's score -> prune steps pass the scores in memory the same way) 
 A row's seconds are its surgery and its evaluation on every domain; making the calibration text
 (for `self`: generating it the first time) and the gradient scores happen once per calibration
 and are reported apart.
-Calibration: DataSpec(source=CAL_SOURCE, max_samples=--cal, seed=0) (an evaluation set's name in
+Calibration: DataSpec(source=CAL_SOURCE, max_samples=--cal, seed=--seed (0)) (an evaluation set's name in
 CAL_SOURCE, alone or mixed, is that set's own text after its evaluated blocks: `calibration_spec`,
 a domain-matched calibration whose cell the table marks), held-out refit checks
 of `fit` / the merge choice: the next --held blocks of the same source (`--heldout-samples`);
@@ -227,8 +227,9 @@ def count_blocks(source: str, tokenizer, seq_len: int) -> int:
 
 
 def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: int, min_blocks: int,
-                    log=lambda msg: None) -> tuple[dict[str, dict], dict[str, list]]:
-    """(domains, their evaluation batches): news, legal, wiki, then in-domain pydoc blocks after `used`."""
+                    log=lambda msg: None, in_domain: bool = True) -> tuple[dict[str, dict], dict[str, list]]:
+    """(domains, their evaluation batches): news, legal, wiki, then (unless not `in_domain`) in-domain pydoc
+    blocks after `used`."""
     folder = cache_dir() / "bench-data"
     domains: dict[str, dict] = {}
     for path, meta in (news_text(folder), legal_text(folder), wiki_text(folder)):
@@ -240,16 +241,17 @@ def evaluation_sets(tok, *, seq_len: int, batch_size: int, n_eval: int, used: in
         spec = DataSpec(source=source, seq_len=seq_len, batch_size=batch_size, max_samples=n_eval, seed=0)
         domains[meta["name"]] = {**meta, "source": source, "sha256": _sha256(path),
                                  "bytes": path.stat().st_size, "blocks_available": n, "spec": spec}
-    n_pydoc = count_blocks("builtin:pydoc", tok, seq_len)
-    if n_pydoc - used < n_eval:
-        raise SystemExit(f"builtin:pydoc gives {n_pydoc} blocks: too few for {used} calibration + held-out "
-                         f"and {n_eval} evaluation blocks")
-    domains[IN_DOMAIN] = {"name": IN_DOMAIN, "label": f"pydoc, {IN_DOMAIN_LABEL}",
-                          "what": "builtin:pydoc (Python help texts), the blocks after every calibration's "
-                                  "calibration and held-out blocks", "origin": "this Python's pydoc topics",
-                          "source": "builtin:pydoc", "blocks_available": n_pydoc,
-                          "spec": DataSpec(source="builtin:pydoc", seq_len=seq_len, batch_size=batch_size,
-                                           max_samples=n_eval, seed=0, skip_samples=used)}
+    if in_domain:
+        n_pydoc = count_blocks("builtin:pydoc", tok, seq_len)
+        if n_pydoc - used < n_eval:
+            raise SystemExit(f"builtin:pydoc gives {n_pydoc} blocks: too few for {used} calibration + held-out "
+                             f"and {n_eval} evaluation blocks")
+        domains[IN_DOMAIN] = {"name": IN_DOMAIN, "label": f"pydoc, {IN_DOMAIN_LABEL}",
+                              "what": "builtin:pydoc (Python help texts), the blocks after every calibration's "
+                                      "calibration and held-out blocks", "origin": "this Python's pydoc topics",
+                              "source": "builtin:pydoc", "blocks_available": n_pydoc,
+                              "spec": DataSpec(source="builtin:pydoc", seq_len=seq_len, batch_size=batch_size,
+                                               max_samples=n_eval, seed=0, skip_samples=used)}
     evals = {}
     for name, d in domains.items():
         b = make_batches(d.pop("spec"), tok, "lm")
@@ -270,7 +272,7 @@ def served_source(name: str, domains: dict[str, dict]) -> tuple[str, list[str]]:
 
 
 def calibration_spec(name: str, domains: dict[str, dict], *, blocks: int, evaluated: int, seq_len: int,
-                     batch_size: int) -> tuple[DataSpec, list[str]]:
+                     batch_size: int, seed: int = 0) -> tuple[DataSpec, list[str]]:
     """The calibration `name` (a --data source) and the evaluation sets it calibrates on. An
     evaluation set's name, alone or in a mixture (`news+builtin:pydoc+self`), stands for that set's
     own text after the `evaluated` blocks it is evaluated on: the cut skips as many of its first
@@ -287,7 +289,7 @@ def calibration_spec(name: str, domains: dict[str, dict], *, blocks: int, evalua
             return any(order.count(i) < evaluated for i, p in enumerate(parts) if p.source in own)
         while short(skip):
             skip += 1
-    return DataSpec(source=source, seq_len=seq_len, batch_size=batch_size, max_samples=blocks, seed=0,
+    return DataSpec(source=source, seq_len=seq_len, batch_size=batch_size, max_samples=blocks, seed=seed,
                     skip_samples=skip), own
 
 
@@ -349,6 +351,9 @@ def main() -> None:
     ap.add_argument("--eval", type=int, default=16, help="evaluation blocks of every domain")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="calibration seed: which pydoc blocks and which self text (0: every other table's); another "
+                         "seed leaves out the in-domain column, whose seed-0 blocks could be calibration blocks")
     ap.add_argument("--min-blocks", type=int, default=64, help="fail when an evaluation text gives fewer blocks")
     ap.add_argument("--out", default=str(HERE / "results" / "cross_domain.json"))
     a = ap.parse_args()
@@ -376,7 +381,7 @@ def main() -> None:
 
     # ---- evaluation sets: out of domain first, in-domain last
     domains, evals = evaluation_sets(tok, seq_len=a.seq_len, batch_size=a.batch_size, n_eval=a.eval,
-                                     used=a.cal + a.held, min_blocks=a.min_blocks, log=log)
+                                     used=a.cal + a.held, min_blocks=a.min_blocks, log=log, in_domain=a.seed == 0)
 
     def ppl_all(model) -> tuple[dict, float]:
         return perplexities(model, evals)
@@ -390,6 +395,7 @@ def main() -> None:
            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                         "transformers": transformers.__version__},  # pydoc's text follows the Python
            "settings": {"calibrations": calibrations, "fractions": fractions, "merges": merges, "cal": a.cal,
+                        "seed": a.seed,
                         "held": a.held, "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
                         "scores": scores, "ablation_for": ablation_for, "ablation_blocks": a.ablation_blocks,
                         "compensate": compensations, "anchors": anchors, "protect": protects, "normalize": normalizes, "auto_heldout": auto_heldout,
@@ -399,7 +405,8 @@ def main() -> None:
                         "convert": "convert_loaded: --kv-heads 1, one --merge at a time, "
                                    "--heldout-samples HELD, refit for fit only (--anchor per row)",
                         "threads": torch.get_num_threads()},
-           "domains": domains, "order": list(domains), "in_domain": IN_DOMAIN, "calibration": {}, "rows": []}
+           "domains": domains, "order": list(domains),
+           "in_domain": IN_DOMAIN if IN_DOMAIN in domains else None, "calibration": {}, "rows": []}
 
     def save() -> None:
         doc["total_seconds"] = clock.seconds()
@@ -421,7 +428,7 @@ def main() -> None:
 
     for cal_source in calibrations:
         spec, calibrated_on = calibration_spec(cal_source, domains, blocks=a.cal, evaluated=a.eval,
-                                               seq_len=a.seq_len, batch_size=a.batch_size)
+                                               seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed)
         # the calibration and held-out blocks, made (and for self: generated and cached) up front so
         # that generation time is not charged to the first row; the rows read the same blocks again
         t0 = time.perf_counter()
@@ -452,7 +459,7 @@ def main() -> None:
             model = copy.deepcopy(lm.model)
             plm = model_from_object(model, tok, ref=MODEL)
             extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
-                                              max_samples=a.held, seed=0)} if heldout else {}
+                                              max_samples=a.held, seed=a.seed)} if heldout else {}
             req = PruneRequest(model=MODEL, fraction=fraction, compensate=compensate, data=spec, anchor=anchor,
                                protect_layers=protect, normalize=normalize, **extra)
             done = prune_loaded(plm, req, scores=scored[method].result, text_model=lm)
@@ -474,7 +481,7 @@ def main() -> None:
         def convert_row(method: str, anchor: str, heldout: str | None = None) -> None:
             t0 = time.perf_counter()
             extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
-                                              max_samples=a.held, seed=0)} if heldout else {}
+                                              max_samples=a.held, seed=a.seed)} if heldout else {}
             req = ConvertRequest(model=MODEL, kv_heads=1, merge=method, data=spec, heldout_samples=a.held,
                                  anchor=anchor, **extra)
             conv = convert_loaded(lm, req, text_model=lm)

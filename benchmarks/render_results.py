@@ -78,38 +78,46 @@ def normalize_section(doc: dict) -> str:
 
 
 def calibration_size_section(docs: list[dict]) -> str:
-    """One table over several runs of bench_cross_domain that differ only in --cal: what more
-    calibration text buys out of domain, and what it costs."""
-    docs = sorted(docs, key=lambda d: d["settings"]["cal"])
-    names = docs[0]["order"]
-    d = docs[0]["domains"]
+    """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
+    calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
+    def key(doc: dict) -> tuple[int, int]:
+        return doc["settings"]["cal"], doc["settings"].get("seed", 0)
+
+    docs = sorted((doc for doc in docs if any(r["kind"] == "prune" for r in doc["rows"])), key=key)  # runs under way: not yet
+    widest = max(docs, key=lambda doc: len(doc["order"]))
+    names = widest["order"]
+    d = widest["domains"]
     head = [d[n].get("label", n) for n in names]
     cal = docs[0]["settings"]["calibrations"][0]
+    sizes = sorted({doc["settings"]["cal"] for doc in docs})
     lines = [
-        "### How much calibration text (`--max-samples`): SmolLM2-135M, heads removed with `--compensate`, "
-        "no training",
+        "### How much calibration text, and which (`--max-samples`, the sample): SmolLM2-135M, heads removed "
+        "with `--compensate`, no training",
         "",
         f"prune at its defaults (gradient scores on the calibration blocks, `--normalize auto` choosing on the "
         f"quarter of the calibration that follows it, `--anchor 1`, the first layer protected) calibrated on "
-        f"more or fewer blocks of `{cal}` (half each; {', '.join(str(x['settings']['cal']) for x in docs)} blocks "
-        "of 128 tokens; the CLI reads 64 unless `--max-samples`). Perplexity ratio to the unpruned model on the "
-        "evaluation sets of the tables above (the in-domain set starts after each run's calibration and "
-        "held-out blocks, so it differs a little between runs). Seconds: scoring, then pruning and refitting "
-        "(both normalizations) with the evaluation.",
+        f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
+        "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
+        "which self text; every other table uses seed 0, and a larger calibration adds blocks to the same ones). "
+        "Perplexity ratio to the unpruned model on the evaluation sets of the tables above; the in-domain set "
+        "starts after each run's calibration and held-out blocks (so it differs a little between runs) and is "
+        "left out for other seeds, whose pydoc blocks it could hold. Seconds: scoring, then pruning and "
+        "refitting (both normalizations) with the evaluation.",
         "",
-        "| calibration blocks | removed | " + " | ".join(head) + " | seconds |",
-        "| ---: | --- | " + " | ".join("---:" for _ in names) + " | ---: |",
+        "| calibration blocks | seed | removed | " + " | ".join(head) + " | seconds |",
+        "| ---: | ---: | --- | " + " | ".join("---:" for _ in names) + " | ---: |",
     ]
     for doc in docs:
         scores = doc["calibration"][cal]["score_seconds"]
         scores = scores.get("gradient") if isinstance(scores, dict) else scores
+        blocks, seed = key(doc)
         for r in doc["rows"]:
             if r["kind"] != "prune":
                 continue
             chosen = (r.get("allocation") or {}).get("normalize")
-            cells = [f"{r['eval'][n]['ratio']:.2f}x" for n in names]
-            lines.append(f"| {doc['settings']['cal']} | {r['fraction']:.0%} ({r['heads_removed']}), chose "
-                         f"{chosen} | " + " | ".join(cells) + f" | {scores:.0f} + {r['seconds']:.0f} |")
+            cells = [f"{r['eval'][n]['ratio']:.2f}x" if n in r["eval"] else "-" for n in names]
+            lines.append(f"| {blocks} | {seed} | {r['fraction']:.0%} ({r['heads_removed']}), chose {chosen} | "
+                         + " | ".join(cells) + f" | {scores:.0f} + {r['seconds']:.0f} |")
     lines += ["", "Commands:"] + [f"`{doc['command']}`" for doc in docs]
     return "\n".join(lines)
 

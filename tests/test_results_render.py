@@ -144,8 +144,9 @@ def test_heal_variants_parse_and_override_any_option():
 
 
 def test_the_calibration_size_runs_render_as_one_table_in_block_order():
-    """Runs of bench_cross_domain that differ only in --cal become one table (what more calibration
-    text buys), rows by block count whatever order the files come in, each figure from its run."""
+    """Runs of bench_cross_domain that differ only in --cal (and --seed) become one table (what more
+    calibration text buys, what another sample moves), rows by block count then seed whatever order
+    the files come in, each figure from its run, '-' where a run has no such column."""
     import json
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -156,13 +157,16 @@ def test_the_calibration_size_runs_render_as_one_table_in_block_order():
     docs = [json.loads(p.read_text()) for p in paths]
     text = render_results.calibration_size_section(list(reversed(docs)))
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    blocks = [int(line.split("|")[1]) for line in rows]
-    assert blocks == sorted(blocks) and set(blocks) == {d["settings"]["cal"] for d in docs}
+    keys = [(int(line.split("|")[1]), int(line.split("|")[2])) for line in rows]
+    assert keys == sorted(keys)
+    assert set(keys) == {(d["settings"]["cal"], d["settings"].get("seed", 0)) for d in docs}
     for doc in docs:
-        ours = [line for line in rows if int(line.split("|")[1]) == doc["settings"]["cal"]]
+        k = (doc["settings"]["cal"], doc["settings"].get("seed", 0))
+        ours = [line for line, kk in zip(rows, keys) if kk == k]
         prunes = [r for r in doc["rows"] if r["kind"] == "prune"]
         assert len(ours) == len(prunes)
         for line, r in zip(ours, prunes):
             assert f"| {r['eval']['legal']['ratio']:.2f}x |" in line
+            assert ("in-domain" in r["eval"]) == ("x | - |" not in line)
         assert f"`{doc['command']}`" in text
     assert text.count("### ") == 1
