@@ -83,7 +83,8 @@ def calibration_size_section(docs: list[dict]) -> str:
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
 
-    docs = sorted((doc for doc in docs if any(r["kind"] == "prune" for r in doc["rows"])), key=key)  # runs under way: not yet
+    # a run still under way (no prune row written yet) is left out
+    docs = sorted((doc for doc in docs if any(r["kind"] == "prune" for r in doc["rows"])), key=key)
     widest = max(docs, key=lambda doc: len(doc["order"]))
     names = widest["order"]
     d = widest["domains"]

@@ -63,7 +63,7 @@ class HeadtoolGroup(TyperGroup):
         cmd = super().get_command(ctx, cmd_name)
         if cmd is not None and not getattr(cmd, "_headtool_reflowed", False):
             cmd.help = reflow_help(cmd.help)
-            quiet_flags([*cmd.params, cmd.get_help_option(ctx)])
+            quiet_flags(cmd.get_params(ctx))  # its options and its help option
             cmd._headtool_reflowed = True
         return cmd
 
