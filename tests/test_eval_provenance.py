@@ -13,7 +13,7 @@ from headtool.cli.app import app
 from headtool.data.batches import make_batches
 from headtool.data.sources import DataSpec
 from headtool.io.provenance import folder_record, merged, read_entries
-from headtool.workflows.data_plan import evaluation_cut
+from headtool.workflows.data_plan import ALLOCATION_BLOCKS, evaluation_cut
 from tiny_models import save_tiny, tokenizer_for
 
 runner = CliRunner()
@@ -30,8 +30,8 @@ def prose(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory):
-    """A tiny llama pruned with a refit on 8 builtin:pydoc blocks (and its allocation compared on
-    held-out blocks after them), reporting on 2 blocks of builtin:licenses."""
+    """A tiny llama pruned with a refit on 8 builtin:pydoc blocks (and its allocation chosen on 64
+    blocks of text sampled from it), reporting on 2 blocks of builtin:licenses."""
     root = tmp_path_factory.mktemp("prov")
     src = save_tiny("llama", root / "src", num_hidden_layers=4, num_key_value_heads=4)
     out = root / "p"
@@ -56,8 +56,9 @@ def test_prune_records_the_blocks_it_fitted_on_and_those_it_only_evaluated(prune
     _, out = pruned
     record = folder_record(out)
     fit = [e for e in record if e["role"] == "fit"]
-    assert {e["source"] for e in fit} == {"builtin:pydoc"}
-    assert fit[0]["blocks"] >= 8 + 4 and fit[0]["seq_len"] == 16 and fit[0]["seed"] == 0  # calibration + held-out
+    assert {e["source"] for e in fit} == {"builtin:pydoc", "self"}  # calibration; the allocation's choice
+    assert _fitted(out, "builtin:pydoc") == 8 and _fitted(out, "self") == ALLOCATION_BLOCKS
+    assert all(e["seq_len"] == 16 and e["seed"] == 0 for e in fit)
     assert [(e["source"], e["blocks"]) for e in record if e["role"] == "eval"] == [("builtin:licenses", 2)]
 
 
@@ -69,7 +70,7 @@ def test_eval_starts_after_the_fitted_blocks_and_marks_the_in_domain_model(prune
     assert f"starting after the first {n} blocks of builtin:pydoc" in err
     original, compressed = doc["results"]
     assert original["in_domain"] is None and original["fitted_on"] is None  # no record: not a headtool output
-    assert compressed["in_domain"] is True and compressed["fitted_on"] == ["builtin:pydoc"]
+    assert compressed["in_domain"] is True and sorted(compressed["fitted_on"]) == ["builtin:pydoc", "self"]
     # exactly the blocks an explicit --skip-samples gives
     same, _ = _eval(src, out, "--data", "builtin:pydoc", "--max-samples", "4", "--skip-samples", n, *BLOCKS)
     assert [r["loss"] for r in same["results"]] == [r["loss"] for r in doc["results"]]
@@ -133,7 +134,7 @@ def test_a_chain_of_commands_inherits_what_its_input_was_fitted_on(pruned, prose
                               "--max-samples", "4", *BLOCKS, "-o", str(gqa)])
     assert res.exit_code == 0, res.output
     record = folder_record(gqa)
-    assert {e["source"] for e in record if e["role"] == "fit"} == {"builtin:pydoc", str(prose)}
+    assert {e["source"] for e in record if e["role"] == "fit"} == {"builtin:pydoc", "self", str(prose)}
     assert json.loads((gqa / "headtool.json").read_text())["data_read"] == record
 
 

@@ -20,6 +20,7 @@ from headtool.measure.evaluation import evaluate
 from headtool.model.loading import load_model
 from headtool.surgery.pruning import prune, trial_copy
 from headtool.surgery.selection import Selection
+from headtool.workflows.data_plan import ALLOCATION_BLOCKS, allocation_spec, eval_spec, part_blocks, self_blocks_read
 from headtool.workflows.prune import Scored, normalizations
 from headtool.workflows.requests import PruneRequest
 from tiny_models import ALL, logits_of, sample_ids, save_tiny, tiny_model
@@ -78,19 +79,22 @@ def test_scores_renormalize_from_the_raw_ones():
 def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src, tmp_path):
     """Both candidates are recorded with their held-out loss; the written model is the one with the
     lower loss, bit for bit the model a prune with that normalization alone writes, and its loss on
-    the held-out blocks (the 4 after the 8 calibration blocks: a quarter, at least 4) is the recorded one."""
+    the held-out blocks (64 blocks of text sampled from the original model: the calibration read none
+    of it) is the recorded one. The evaluation follows the calibration blocks of its own source."""
     r = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", "layer,none",
              "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", tmp_path / "cmp", "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     alloc = doc["allocation"]
     cands = {c["normalize"]: c for c in alloc["candidates"]}
-    assert set(cands) == {"layer", "none"} and alloc["heldout_blocks"] == 4
+    assert set(cands) == {"layer", "none"} and alloc["heldout_blocks"] == ALLOCATION_BLOCKS
+    assert alloc["compared_on"] == {"source": "self", "skip_samples": 0, "seed": 0}
     assert alloc["normalize"] == min(cands, key=lambda m: cands[m]["heldout_loss"])
     assert doc["options"]["normalize"] == alloc["normalize"]
-    assert doc["eval_data"]["skip_samples"] == 12  # after the calibration and the held-out blocks
+    assert doc["eval_data"]["skip_samples"] == 8  # after the calibration blocks
     label = {"layer": "per-layer normalized scores", "none": "raw scores"}[alloc["normalize"]]
     assert f"heads per layer from {label} (--normalize {alloc['normalize']}): held-out loss" in r.stderr
+    assert f"({ALLOCATION_BLOCKS} blocks of self text)" in " ".join(r.stderr.split())
     assert "Layer allocation: heads per layer from" in (tmp_path / "cmp" / "README.md").read_text()
     one = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", alloc["normalize"],
                "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", tmp_path / "one",
@@ -102,12 +106,36 @@ def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src
     assert single["allocation"]["normalize"] == alloc["normalize"] and len(single["allocation"]["candidates"]) == 1
     lm, orig = load_model(str(tmp_path / "cmp"), trust_remote_code=True), load_model(str(src))
 
-    def loss(model, skip: int, n: int) -> float:
-        spec = DataSpec(source="builtin:pydoc", max_samples=n, seq_len=16, batch_size=2, skip_samples=skip)
-        return evaluate(model, make_batches(spec, lm.tokenizer, "lm").batches, "lm")["loss"]
-    assert loss(lm.model, 8, 4) == pytest.approx(cands[alloc["normalize"]]["heldout_loss"], rel=1e-5)
-    assert loss(lm.model, 12, 2) == pytest.approx(doc["eval"]["after"]["loss"], rel=1e-5)
-    assert loss(orig.model, 12, 2) == pytest.approx(doc["eval"]["before"]["loss"], rel=1e-5)
+    def loss(model, source: str, skip: int, n: int) -> float:
+        spec = DataSpec(source=source, max_samples=n, seq_len=16, batch_size=2, skip_samples=skip)
+        return evaluate(model, make_batches(spec, lm.tokenizer, "lm", model=orig).batches, "lm")["loss"]
+    held = loss(lm.model, "self", 0, ALLOCATION_BLOCKS)
+    assert held == pytest.approx(cands[alloc["normalize"]]["heldout_loss"], rel=1e-5)
+    assert loss(lm.model, "builtin:pydoc", 8, 2) == pytest.approx(doc["eval"]["after"]["loss"], rel=1e-5)
+    assert loss(orig.model, "builtin:pydoc", 8, 2) == pytest.approx(doc["eval"]["before"]["loss"], rel=1e-5)
+
+
+def test_allocations_are_compared_on_self_text_the_calibration_and_evaluation_did_not_read():
+    """64 blocks of self text after every self block the calibration (and an evaluation on self text)
+    read; a model that cannot sample compares on a quarter of the calibration's source after it."""
+    mix = DataSpec(source="builtin:pydoc+self", max_samples=64, seq_len=16, seed=3)
+    assert self_blocks_read(mix, 80) == 40 and self_blocks_read(SPEC, 12) == 0
+    assert self_blocks_read(DataSpec(source="self:10"), 16) == 10
+    cspec, taken = allocation_spec(mix, 80, True)
+    assert (cspec.source, cspec.skip_samples, cspec.max_samples, cspec.seed, taken) == ("self", 40, 64, 3, 0)
+    after = DataSpec(source="self", max_samples=16, skip_samples=40)
+    assert allocation_spec(mix, 80, True, after=after)[0].skip_samples == 56
+    cspec, taken = allocation_spec(mix, 80, False)
+    assert (cspec.source, cspec.skip_samples, cspec.max_samples, taken) == ("builtin:pydoc+self", 80, 16, 16)
+
+
+def test_an_evaluation_on_self_text_starts_after_the_self_blocks_of_a_mixed_calibration():
+    """--eval-data self after --data builtin:pydoc+self: the evaluation's self text starts after the
+    blocks the calibration read (it started at the first of them: a flattering evaluation)."""
+    mix = DataSpec(source="builtin:pydoc+self", max_samples=8, seq_len=16)
+    assert part_blocks(mix, "self", 10) == 5 and part_blocks(DataSpec(source="a.txt+self:3"), "self:3", 10) == 3
+    espec, skip = eval_spec(mix, "self", 4, 10)
+    assert (espec.source, skip, espec.skip_samples) == ("self", 5, 5)
 
 
 def test_the_default_compares_and_a_recipe_step_does_the_same(src, tmp_path):

@@ -99,7 +99,9 @@ class PruneResult:
             return chosen
         mine = next(c for c in a["candidates"] if c["normalize"] == a["normalize"])
         vs = ", ".join(f"{label(c['normalize'])} {c['heldout_loss']:.4f}" for c in others)
-        return f"{chosen}: held-out loss {mine['heldout_loss']:.4f} against {vs} ({a['heldout_blocks']} blocks)"
+        on = (a.get("compared_on") or {}).get("source")
+        where = f"{a['heldout_blocks']} blocks" + (f" of {'self text' if on == 'self' else on}" if on else "")
+        return f"{chosen}: held-out loss {mine['heldout_loss']:.4f} against {vs} ({where})"
 
 
 def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int]) -> LayerHeads:

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 from ..console import info
 from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_auto
-from ..data.sources import DataSpec, is_auto, reads_stdin
+from ..data.selfgen import can_sample
+from ..data.sources import DataSpec, is_auto, reads_stdin, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
 from ..io.provenance import RECORD, fitted_on, read_entries, written_record
@@ -30,7 +31,7 @@ from ..surgery.selection import (
     selection_from_removed,
 )
 from ..surgery.streaming import prune_checkpoint_streaming
-from .data_plan import eval_spec, heldout_spec, with_default_blocks
+from .data_plan import allocation_spec, eval_spec, heldout_spec, with_default_blocks
 from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
 
 
@@ -172,7 +173,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         candidates = {m: select_heads(scored.matrix(m), geometry, target) for m in modes or [None]}
         selection = next(iter(candidates.values()))
     compared = len({c.kept for c in candidates.values()}) > 1
-    calib, heldout, eval_batches, eval_objective, eval_info, compare_batches = _data(lm, spec, req, tm, compared)
+    calib, heldout, eval_batches, eval_objective, eval_info, compare_batches, cspec = _data(lm, spec, req, tm, compared)
 
     def run(trial: LoadedModel, chosen: Selection, evaluation=eval_batches) -> PruneResult:
         return prune(trial, chosen, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
@@ -181,8 +182,9 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
                      objective=eval_objective, calib_device=calib_device)
 
     if compared:
+        compared_on = {"source": cspec.source, "skip_samples": cspec.skip_samples, "seed": cspec.seed}
         result = _best_allocation(lm, candidates, run, compare_batches, eval_batches,
-                                  resolve_objective(req.objective, lm.task, None))
+                                  resolve_objective(req.objective, lm.task, None), compared_on)
     else:
         result = run(lm, selection)
         if candidates and next(iter(candidates)) is not None:
@@ -243,7 +245,7 @@ def _per_layer(selection: Selection, geometry) -> list[int]:
 
 
 def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, held: Sequence[dict],
-                     eval_batches, objective: str) -> PruneResult:
+                     eval_batches, objective: str, compared_on: dict) -> PruneResult:
     """Prune with every candidate selection and keep the lowest loss on the held-out blocks: the
     earlier candidates on copies that share all but the attention (`trial_copy`), the last in place;
     lm.model is the winner afterwards."""
@@ -271,7 +273,7 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
         result.eval_before = eval_before
         result.eval_after = evaluate(model, eval_batches, objective, label="eval")
     result.allocation = {"normalize": mode, "heldout_blocks": sum(len(b["input_ids"]) for b in held),
-                         "candidates": rows}
+                         "compared_on": compared_on, "candidates": rows}
     info(result.allocation_line())
     return result
 
@@ -317,7 +319,8 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tu
 def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
     """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others), and
     with `compare` the held-out blocks, with labels, on which candidate allocations are compared (the
-    refit's held-out blocks when there are any, else a quarter of the calibration after it)."""
+    refit's held-out blocks when there are any, else `allocation_spec`'s: self text where the model can
+    sample it), and the spec those came from."""
     compensate, eval_data, eval_samples, objective = req.compensate, req.eval_data, req.eval_samples, req.objective
     heldout_samples = req.heldout_samples
     if compensate and req.heldout_data is not None and not heldout_samples:
@@ -338,26 +341,26 @@ def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
                 used += heldout_samples
     elif spec is not None and spec.max_samples is not None:
         used = spec.skip_samples + spec.max_samples
-    compare_batches = None
-    if compare:
-        task = DATA_TASK[resolve_objective(objective, lm.task, None)]
-        if hspec is not None:
-            compare_batches = make_batches(hspec, lm.tokenizer, task, model=tm).batches
-        else:
-            n = max(4, spec.max_samples // 4)
-            cspec = heldout_spec(spec, req.heldout_data, n, used)
-            held = make_batches(cspec, lm.tokenizer, task, model=tm)
-            compare_batches = held.batches
-            if cspec.source == spec.source:
-                used += n
+    compare_batches = cspec = espec = None
+    task = DATA_TASK[resolve_objective(objective, lm.task, None)]
+    if compare and hspec is None:
+        cspec, taken = allocation_spec(spec, used, task == "lm" and can_sample(tm.model, tm.tokenizer))
+        used += taken
     if eval_data is not None:
         eval_objective = resolve_objective(objective, lm.task, None)
         if eval_objective == "kl":
             raise UsageError("--eval-data needs a model with an LM head (there is no loss to report otherwise)")
         espec, skip = eval_spec(spec, eval_data, eval_samples, used, held)
+    if compare:
+        if cspec is None:
+            cspec = hspec
+        elif self_source(cspec.source)[0]:  # after any self text the evaluation reads
+            cspec = allocation_spec(spec, used, True, after=espec)[0]
+        compare_batches = make_batches(cspec, lm.tokenizer, task, model=tm).batches
+    if espec is not None:
         with evaluation_reads():
             eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
-    return calib, heldout, eval_batches, eval_objective, eval_info, compare_batches
+    return calib, heldout, eval_batches, eval_objective, eval_info, compare_batches, cspec
 
