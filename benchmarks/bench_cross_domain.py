@@ -517,6 +517,26 @@ def main() -> None:
     print(render(doc))
 
 
+#: marks a row whose `--normalize auto` chose on the calibration's own held-out blocks (the rule before
+#: it compared on self text) and that was not rerun since
+EARLIER_RULE = "†"
+EARLIER_RULE_NOTE = (f"{EARLIER_RULE} `--normalize auto` chose on held-out blocks of the calibration's own source, "
+                     "its rule before it compared allocations on self text; measured before the change, not rerun.")
+
+
+def chosen_allocation(row: dict) -> str | None:
+    """What `--normalize auto` chose in a prune row (None: nothing compared), marked when it chose by
+    the earlier rule: candidates compared on held-out blocks, none of another source given, and no
+    record of the blocks (rows written since record `compared_on`)."""
+    a = row.get("allocation") or {}
+    chosen = a.get("normalize")
+    if chosen is None:
+        return None
+    compared = sum("heldout_loss" in c for c in a.get("candidates", [])) > 1
+    earlier = compared and not row.get("heldout_data") and "compared_on" not in a
+    return chosen + (EARLIER_RULE if earlier else "")
+
+
 def render(doc: dict) -> str:
     """The markdown table: perplexity (ratio to the unpruned model) per domain, in-domain last."""
     names = doc["order"]
@@ -535,7 +555,7 @@ def render(doc: dict) -> str:
             change += f", `--compensate --anchor {r.get('anchor') or 0}`" if r.get("compensate") else ", no refit"
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
             if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)
-                chosen = (r.get("allocation") or {}).get("normalize")
+                chosen = chosen_allocation(r)
                 change += f", `--normalize {r['normalize']}`" + (
                     f" (chose {chosen})" if chosen and chosen != r["normalize"] else
                     " (as scored)" if not chosen and r["normalize"] == "auto" else "")
@@ -556,6 +576,8 @@ def render(doc: dict) -> str:
             return f"{v['data_seconds']:.0f} s + " + " + ".join(f"{m} {t:.0f} s" for m, t in sc.items())
         lines.append("Once per calibration, not in the rows' seconds (calibration text made or read, scores): "
                      + "; ".join(f"`{c}` {once(v)}" for c, v in doc["calibration"].items()) + ".")
+    if any(EARLIER_RULE in (chosen_allocation(r) or "") for r in doc["rows"]):
+        lines.append(EARLIER_RULE_NOTE)
     lines.append(f"`{doc['command']}`")
     return "\n".join(lines)
 

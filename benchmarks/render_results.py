@@ -60,9 +60,13 @@ def protect_section(doc: dict) -> str:
 
 
 def normalize_section(doc: dict) -> str:
-    from bench_cross_domain import render
+    from bench_cross_domain import EARLIER_RULE, chosen_allocation, render
 
     st = doc["settings"]
+    earlier = any(EARLIER_RULE in (chosen_allocation(r) or "") for r in doc["rows"])
+    judged = (f"on held-out blocks of the calibration source (a quarter of the calibration, {st['cal'] // 4} "
+              f"blocks after it: the rule when this table was measured, {EARLIER_RULE})" if earlier else
+              "on 64 blocks of self text that the calibration did not read")
     return "\n".join([
         f"### How many heads each layer loses (`--normalize`): SmolLM2-135M, {st['cal']} calibration blocks, "
         "no training",
@@ -70,8 +74,7 @@ def normalize_section(doc: dict) -> str:
         "The same gradient scores, normalized per layer (`layer`, Michel et al. 2019: what prune used before "
         "the option) or raw (`none`: first-order estimates of the loss each head costs, on one scale across "
         "layers), and `auto`, prune's default with `--compensate`: both pruned and refit, the one with the lower "
-        f"loss on held-out blocks of the calibration source kept (a quarter of the calibration, {st['cal'] // 4} "
-        "blocks after it; no evaluation text takes part in the choice). Columns as in the table above.",
+        f"loss {judged} kept (no evaluation text takes part in the choice). Columns as in the table above.",
         "",
         render(doc),
     ])
@@ -80,6 +83,8 @@ def normalize_section(doc: dict) -> str:
 def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
+    from bench_cross_domain import EARLIER_RULE, EARLIER_RULE_NOTE, chosen_allocation
+
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
 
@@ -95,8 +100,8 @@ def calibration_size_section(docs: list[dict]) -> str:
         "### How much calibration text, and which (`--max-samples`, the sample): SmolLM2-135M, heads removed "
         "with `--compensate`, no training",
         "",
-        f"prune at its defaults (gradient scores on the calibration blocks, `--normalize auto` choosing on the "
-        f"quarter of the calibration that follows it, `--anchor 1`, the first layer protected) calibrated on "
+        f"prune at its defaults (gradient scores on the calibration blocks, `--normalize auto` choosing on 64 "
+        f"blocks of self text the calibration did not read, `--anchor 1`, the first layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
         "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
         "which self text; every other table uses seed 0, and a larger calibration adds blocks to the same ones). "
@@ -108,6 +113,7 @@ def calibration_size_section(docs: list[dict]) -> str:
         "| calibration blocks | seed | removed | " + " | ".join(head) + " | seconds |",
         "| ---: | ---: | --- | " + " | ".join("---:" for _ in names) + " | ---: |",
     ]
+    earlier = False
     for doc in docs:
         scores = doc["calibration"][cal]["score_seconds"]
         scores = scores.get("gradient") if isinstance(scores, dict) else scores
@@ -115,11 +121,12 @@ def calibration_size_section(docs: list[dict]) -> str:
         for r in doc["rows"]:
             if r["kind"] != "prune":
                 continue
-            chosen = (r.get("allocation") or {}).get("normalize")
+            chosen = chosen_allocation(r)
+            earlier = earlier or EARLIER_RULE in (chosen or "")
             cells = [f"{r['eval'][n]['ratio']:.2f}x" if n in r["eval"] else "-" for n in names]
             lines.append(f"| {blocks} | {seed} | {r['fraction']:.0%} ({r['heads_removed']}), chose {chosen} | "
                          + " | ".join(cells) + f" | {scores:.0f} + {r['seconds']:.0f} |")
-    lines += ["", "Commands:"] + [f"`{doc['command']}`" for doc in docs]
+    lines += [""] + ([EARLIER_RULE_NOTE] if earlier else []) + ["Commands:"] + [f"`{doc['command']}`" for doc in docs]
     return "\n".join(lines)
 
 

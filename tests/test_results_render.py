@@ -170,3 +170,20 @@ def test_the_calibration_size_runs_render_as_one_table_in_block_order():
             assert ("in-domain" in r["eval"]) == ("x | - |" not in line)
         assert f"`{doc['command']}`" in text
     assert text.count("### ") == 1
+
+
+def test_rows_chosen_by_the_earlier_allocation_rule_are_marked():
+    """A prune row whose --normalize auto compared candidates on the calibration's own held-out blocks
+    (no `compared_on`: written before auto compared on self text) is marked, and the note says why;
+    a row that records its blocks, or chose on --heldout-data, or compared nothing, is not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cross_domain import EARLIER_RULE, EARLIER_RULE_NOTE, chosen_allocation
+
+    cands = [{"normalize": "layer", "heldout_loss": 3.1}, {"normalize": "none", "heldout_loss": 3.2}]
+    old = {"allocation": {"normalize": "layer", "candidates": cands}}
+    assert chosen_allocation(old) == "layer" + EARLIER_RULE
+    assert chosen_allocation({"allocation": {"normalize": "layer", "candidates": cands,
+                                             "compared_on": {"source": "self"}}}) == "layer"
+    assert chosen_allocation({**old, "heldout_data": "self"}) == "layer"
+    assert chosen_allocation({"allocation": {"normalize": "none", "candidates": [{"normalize": "none"}]}}) == "none"
+    assert chosen_allocation({}) is None and "not rerun" in EARLIER_RULE_NOTE
