@@ -117,7 +117,8 @@ def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src
 
 def test_allocations_are_compared_on_self_text_the_calibration_and_evaluation_did_not_read():
     """64 blocks of self text after every self block the calibration (and an evaluation on self text)
-    read; a model that cannot sample compares on a quarter of the calibration's source after it."""
+    read; a model that cannot sample compares on a quarter of the calibration's source after it, and
+    --heldout-data (without --compensate, which would make it the refit's held-out blocks) on that."""
     mix = DataSpec(source="builtin:pydoc+self", max_samples=64, seq_len=16, seed=3)
     assert self_blocks_read(mix, 80) == 40 and self_blocks_read(SPEC, 12) == 0
     assert self_blocks_read(DataSpec(source="self:10"), 16) == 10
@@ -127,6 +128,16 @@ def test_allocations_are_compared_on_self_text_the_calibration_and_evaluation_di
     assert allocation_spec(mix, 80, True, after=after)[0].skip_samples == 56
     cspec, taken = allocation_spec(mix, 80, False)
     assert (cspec.source, cspec.skip_samples, cspec.max_samples, taken) == ("builtin:pydoc+self", 80, 16, 16)
+    cspec, taken = allocation_spec(mix, 80, True, heldout_data="builtin:licenses")  # a source named to judge on
+    assert (cspec.source, cspec.skip_samples, cspec.max_samples, taken) == ("builtin:licenses", 0, 16, 0)
+
+
+def test_allocations_compared_without_a_refit_are_judged_on_the_heldout_data_named(src, tmp_path):
+    r = _run("prune", src, *COMMON, "--fraction", 0.5, "--normalize", "layer,none", "--heldout-data",
+             "builtin:licenses", "-o", tmp_path / "p", "--json")
+    assert r.exit_code == 0, r.stderr
+    alloc = json.loads(r.stdout)["allocation"]
+    assert alloc["compared_on"]["source"] == "builtin:licenses" and alloc["heldout_blocks"] == 4
 
 
 def test_an_evaluation_on_self_text_starts_after_the_self_blocks_of_a_mixed_calibration():

@@ -64,18 +64,19 @@ def self_blocks_read(spec: DataSpec | None, positions: int) -> int:
 ALLOCATION_BLOCKS = 64
 
 
-def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec | None = None
-                    ) -> tuple[DataSpec, int]:
+def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec | None = None,
+                    heldout_data: str | DataSpec | None = None) -> tuple[DataSpec, int]:
     """The held-out blocks on which candidate layer allocations are compared, and how many blocks of
     `spec` they take. Where the model can sample its own text (`sampling`), ALLOCATION_BLOCKS blocks
     of it that neither the calibration (its first `used` blocks) nor the evaluation `after` read: the
     model's own distribution judges how general the pruned model stays, where a narrow calibration
     source judges only itself (SmolLM2-135M, 12 calibrations: self text sided with news, legal and
     wiki text in 11, the 12th by 0.003 nats; 64 pydoc blocks sided against them at t = -3.3 in one).
-    Otherwise a quarter of the calibration, after it."""
-    if not sampling:
+    Otherwise (or given `heldout_data`: a source to judge on) a quarter of the calibration's count,
+    of `heldout_data` or of the calibration after it."""
+    if not sampling or heldout_data is not None:
         n = max(4, (spec.max_samples or 16) // 4)
-        cspec = heldout_spec(spec, None, n, used)
+        cspec = heldout_spec(spec, heldout_data, n, used)
         return cspec, n if cspec.source == spec.source else 0
     skip = self_blocks_read(spec, used)
     if after is not None and after.max_samples is not None:

@@ -344,7 +344,8 @@ def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
     compare_batches = cspec = espec = None
     task = DATA_TASK[resolve_objective(objective, lm.task, None)]
     if compare and hspec is None:
-        cspec, taken = allocation_spec(spec, used, task == "lm" and can_sample(tm.model, tm.tokenizer))
+        sampling = task == "lm" and can_sample(tm.model, lm.tokenizer)
+        cspec, taken = allocation_spec(spec, used, sampling, heldout_data=req.heldout_data)
         used += taken
     if eval_data is not None:
         eval_objective = resolve_objective(objective, lm.task, None)
