@@ -70,8 +70,9 @@ def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec |
     `spec` they take. Where the model can sample its own text (`sampling`), ALLOCATION_BLOCKS blocks
     of it that neither the calibration (its first `used` blocks) nor the evaluation `after` read: the
     model's own distribution judges how general the pruned model stays, where a narrow calibration
-    source judges only itself (SmolLM2-135M, 12 calibrations: self text sided with news, legal and
-    wiki text in 11, the 12th by 0.003 nats; 64 pydoc blocks sided against them at t = -3.3 in one).
+    source judges only itself (SmolLM2-135M, six calibrations at 25% and 50%: self text sided with
+    news, legal and wiki text in 11 of the 12, the 12th by 0.003 nats; 64 pydoc blocks sided against
+    them at t = -3.3 in one).
     Otherwise (or given `heldout_data`: a source to judge on) a quarter of the calibration's count,
     of `heldout_data` or of the calibration after it."""
     if not sampling or heldout_data is not None:
