@@ -524,17 +524,29 @@ EARLIER_RULE_NOTE = (f"{EARLIER_RULE} `--normalize auto` chose on held-out block
                      "its rule before it compared allocations on self text; measured before the change, not rerun.")
 
 
+def chose_by_earlier_rule(row: dict) -> bool:
+    """Did `--normalize auto` choose this prune row's allocation by the earlier rule: candidates compared
+    on held-out blocks, none of another source given, and no record of the blocks (rows written since
+    record `compared_on`)?"""
+    a = row.get("allocation") or {}
+    compared = sum("heldout_loss" in c for c in a.get("candidates", [])) > 1
+    return compared and not row.get("heldout_data") and "compared_on" not in a
+
+
 def chosen_allocation(row: dict) -> str | None:
     """What `--normalize auto` chose in a prune row (None: nothing compared), marked when it chose by
-    the earlier rule: candidates compared on held-out blocks, none of another source given, and no
-    record of the blocks (rows written since record `compared_on`)."""
-    a = row.get("allocation") or {}
-    chosen = a.get("normalize")
+    the earlier rule."""
+    chosen = (row.get("allocation") or {}).get("normalize")
     if chosen is None:
         return None
-    compared = sum("heldout_loss" in c for c in a.get("candidates", [])) > 1
-    earlier = compared and not row.get("heldout_data") and "compared_on" not in a
-    return chosen + (EARLIER_RULE if earlier else "")
+    return chosen + (EARLIER_RULE if chose_by_earlier_rule(row) else "")
+
+
+def self_judged_blocks(rows: list[dict]) -> int | None:
+    """How many blocks of self text `--normalize auto` compared its allocations on in these rows (None:
+    no row compared on self text)."""
+    return next((r["allocation"]["heldout_blocks"] for r in rows
+                 if ((r.get("allocation") or {}).get("compared_on") or {}).get("source") == "self"), None)
 
 
 def render(doc: dict) -> str:
@@ -576,7 +588,7 @@ def render(doc: dict) -> str:
             return f"{v['data_seconds']:.0f} s + " + " + ".join(f"{m} {t:.0f} s" for m, t in sc.items())
         lines.append("Once per calibration, not in the rows' seconds (calibration text made or read, scores): "
                      + "; ".join(f"`{c}` {once(v)}" for c, v in doc["calibration"].items()) + ".")
-    if any(EARLIER_RULE in (chosen_allocation(r) or "") for r in doc["rows"]):
+    if any(chose_by_earlier_rule(r) for r in doc["rows"]):
         lines.append(EARLIER_RULE_NOTE)
     lines.append(f"`{doc['command']}`")
     return "\n".join(lines)

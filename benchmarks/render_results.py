@@ -60,13 +60,13 @@ def protect_section(doc: dict) -> str:
 
 
 def normalize_section(doc: dict) -> str:
-    from bench_cross_domain import EARLIER_RULE, chosen_allocation, render
+    from bench_cross_domain import EARLIER_RULE, chose_by_earlier_rule, render, self_judged_blocks
 
     st = doc["settings"]
-    earlier = any(EARLIER_RULE in (chosen_allocation(r) or "") for r in doc["rows"])
+    earlier = any(chose_by_earlier_rule(r) for r in doc["rows"])
     judged = (f"on held-out blocks of the calibration source (a quarter of the calibration, {st['cal'] // 4} "
               f"blocks after it: the rule when this table was measured, {EARLIER_RULE})" if earlier else
-              "on 64 blocks of self text that the calibration did not read")
+              f"on {self_judged_blocks(doc['rows'])} blocks of self text that the calibration did not read")
     return "\n".join([
         f"### How many heads each layer loses (`--normalize`): SmolLM2-135M, {st['cal']} calibration blocks, "
         "no training",
@@ -83,7 +83,7 @@ def normalize_section(doc: dict) -> str:
 def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
-    from bench_cross_domain import EARLIER_RULE, EARLIER_RULE_NOTE, chosen_allocation
+    from bench_cross_domain import EARLIER_RULE_NOTE, chose_by_earlier_rule, chosen_allocation, self_judged_blocks
 
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
@@ -96,12 +96,15 @@ def calibration_size_section(docs: list[dict]) -> str:
     head = [d[n].get("label", n) for n in names]
     cal = docs[0]["settings"]["calibrations"][0]
     sizes = sorted({doc["settings"]["cal"] for doc in docs})
+    prunes = [r for doc in docs for r in doc["rows"] if r["kind"] == "prune"]
+    earlier = any(chose_by_earlier_rule(r) for r in prunes)
     lines = [
         "### How much calibration text, and which (`--max-samples`, the sample): SmolLM2-135M, heads removed "
         "with `--compensate`, no training",
         "",
-        f"prune at its defaults (gradient scores on the calibration blocks, `--normalize auto` choosing on 64 "
-        f"blocks of self text the calibration did not read, `--anchor 1`, the first layer protected) calibrated on "
+        f"prune at its defaults (gradient scores on the calibration blocks, `--normalize auto` choosing on "
+        f"{self_judged_blocks(prunes)} blocks of self text the calibration did not read, `--anchor 1`, the first "
+        f"layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
         "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
         "which self text; every other table uses seed 0, and a larger calibration adds blocks to the same ones). "
@@ -113,7 +116,6 @@ def calibration_size_section(docs: list[dict]) -> str:
         "| calibration blocks | seed | removed | " + " | ".join(head) + " | seconds |",
         "| ---: | ---: | --- | " + " | ".join("---:" for _ in names) + " | ---: |",
     ]
-    earlier = False
     for doc in docs:
         scores = doc["calibration"][cal]["score_seconds"]
         scores = scores.get("gradient") if isinstance(scores, dict) else scores
@@ -122,7 +124,6 @@ def calibration_size_section(docs: list[dict]) -> str:
             if r["kind"] != "prune":
                 continue
             chosen = chosen_allocation(r)
-            earlier = earlier or EARLIER_RULE in (chosen or "")
             cells = [f"{r['eval'][n]['ratio']:.2f}x" if n in r["eval"] else "-" for n in names]
             lines.append(f"| {blocks} | {seed} | {r['fraction']:.0%} ({r['heads_removed']}), chose {chosen} | "
                          + " | ".join(cells) + f" | {scores:.0f} + {r['seconds']:.0f} |")
