@@ -71,15 +71,58 @@ def test_self_blocks_deterministic_for_a_seed(llama, tok):
     assert a.texts[0] == tok.decode(a.ids[0].tolist())
 
 
-def test_self_blocks_do_not_depend_on_count_or_batching(llama, tok):
-    five = self_blocks(llama, tok, 5, 10, seed=3, cache=False, batch_size=5)
-    two_by_two = self_blocks(llama, tok, 5, 10, seed=3, cache=False, batch_size=2)
-    first3 = self_blocks(llama, tok, 3, 10, seed=3, cache=False)
-    assert torch.equal(five.ids, two_by_two.ids)
+def batch_sensitive_draws(monkeypatch):
+    """Make every draw depend on how many rows its batch has, as a real model's last bits do (kernels
+    block by the batch's shape; on SmolLM2 batches of 1 and 40 sampled one of 8 blocks differently)."""
+    real = selfgen._draw
+
+    def draw(logits, u, temperature, top_p, vocab):
+        ramp = torch.linspace(0, 1, logits.shape[-1], dtype=logits.dtype)
+        return real(logits + 3.0 * logits.shape[0] * ramp, u, temperature, top_p, vocab)
+
+    monkeypatch.setattr(selfgen, "_draw", draw)
+
+
+def test_self_blocks_do_not_depend_on_count_or_order_even_where_batches_would(llama, tok, monkeypatch, tmp_path):
+    batch_sensitive_draws(monkeypatch)
+    count = Counting(monkeypatch)
+    five = self_blocks(llama, tok, 5, 10, seed=3, cache=False, group=4)
+    first3 = self_blocks(llama, tok, 3, 10, seed=3, cache=False, group=4)
     assert torch.equal(five.ids[:3], first3.ids)
+    # through the cache: 2 blocks, then 5 (the first call's group covers blocks 0-3, the second adds 4-7)
+    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "c"))
+    rows_before = count.rows
+    two = self_blocks(llama, tok, 2, 10, seed=3, group=4)
+    then5 = self_blocks(llama, tok, 5, 10, seed=3, group=4)
+    assert count.rows - rows_before == 8 and two.generated == 4 and then5.generated == 4
+    assert torch.equal(then5.ids, five.ids) and torch.equal(two.ids, five.ids[:2])
+    assert then5.info["group"] == 4
+    # another group size is other text under batch-sensitive numerics, so it is another cache entry
+    other = self_blocks(llama, tok, 5, 10, seed=3, group=2)
+    assert other.generated == 6 and not torch.equal(other.ids, five.ids)
+
+
+def test_without_fixed_groups_the_batch_would_change_the_text(llama, tok, monkeypatch):
+    """What the grouping guards against: the same block sampled in a batch of another size."""
+    batch_sensitive_draws(monkeypatch)
+    assert not torch.equal(self_blocks(llama, tok, 4, 10, seed=3, cache=False, group=4).ids,
+                           self_blocks(llama, tok, 4, 10, seed=3, cache=False, group=1).ids)
+
+
+def test_a_cache_with_a_partial_group_regenerates_that_group(llama, tok, monkeypatch, tmp_path):
+    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "c"))
+    full = self_blocks(llama, tok, 4, 10, seed=5, group=4)
+    (path,) = (tmp_path / "c" / "selfcal").glob("*.json")
+    doc = json.loads(path.read_text())
+    doc["ids"], doc["texts"], doc["num_blocks"] = doc["ids"][:3], doc["texts"][:3], 3
+    doc["ids"][0] = [0] * 10  # a block that would be read back if partial groups were trusted
+    path.write_text(json.dumps(doc))
+    again = self_blocks(llama, tok, 4, 10, seed=5, group=4)
+    assert again.generated == 4 and torch.equal(again.ids, full.ids)
 
 
 def test_second_call_reads_the_cache_and_a_longer_one_extends_it(llama, tok, monkeypatch, tmp_path):
+    monkeypatch.setattr(selfgen, "MAX_GENERATION_BATCH", 2)  # groups of 2 blocks
     count = Counting(monkeypatch)
     spec = DataSpec(source="self:4", seq_len=12, batch_size=3)
     first = make_batches(spec, tok, "lm", model=llama)
@@ -97,24 +140,29 @@ def test_second_call_reads_the_cache_and_a_longer_one_extends_it(llama, tok, mon
     assert count.rows == 4 and rows(fewer) == rows(first)[:2]
     more = make_batches(DataSpec(source="self:6", seq_len=12), tok, "lm", model=llama)
     assert count.rows == 6  # only the two missing blocks
+    odd = make_batches(DataSpec(source="self:7", seq_len=12), tok, "lm", model=llama)
+    assert count.rows == 8 and odd.info["samples"] == 7  # a whole group for the seventh block
+    assert rows(odd)[:6] == rows(more)
     assert rows(more)[:4] == rows(first)
-    assert json.loads(files[0].read_text())["num_blocks"] == 6
+    assert json.loads(files[0].read_text())["num_blocks"] == 8
 
 
 def test_cache_key_changes_with_every_setting(llama, tok, monkeypatch, tmp_path):
     base = {"fingerprint": "sha256:abc", "precision": "float32/cpu", "seq_len": 16, "seed": 0, "temperature": 1.0,
             "top_p": 0.95, "start": 0}
     changed = {"fingerprint": "sha256:abd", "precision": "bfloat16/cpu", "seq_len": 17, "seed": 1,
-               "temperature": 0.8, "top_p": 0.9, "start": 1}
+               "temperature": 0.8, "top_p": 0.9, "start": 1, "group": 3}
     keys = {self_cache_key(**base)}
     for k, v in changed.items():
         keys.add(self_cache_key(**{**base, k: v}))
-    assert len(keys) == 8
+    assert len(keys) == 9
+    assert self_cache_key(**base, group=selfgen.group_size(16)) == self_cache_key(**base)  # the default group
     monkeypatch.setattr(selfgen, "GENERATOR_VERSION", selfgen.GENERATOR_VERSION + 1)
     assert self_cache_key(**base) not in keys
     monkeypatch.undo()
 
     monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(selfgen, "MAX_GENERATION_BATCH", 2)  # groups of 2 blocks
     count = Counting(monkeypatch)
     make_batches(DataSpec(source="self:2", seq_len=8), tok, "lm", model=llama)
     make_batches(DataSpec(source="self:2", seq_len=8, seed=1), tok, "lm", model=llama)
@@ -400,6 +448,7 @@ def test_smollm2_generates_its_own_calibration_text(smollm2, tmp_path, monkeypat
     # 32 steps of 2 rows are latency-bound: one thread is as fast, and immune to a busy machine
     # (the _threads fixture restores the thread count)
     torch.set_num_threads(1)
+    monkeypatch.setattr(selfgen, "MAX_GENERATION_BATCH", 2)  # a group of 2 blocks, not 64
     b = make_batches(DataSpec(source="self:2", seq_len=32, batch_size=2), smollm2.tokenizer, "lm", model=smollm2)
     assert b.info["samples"] == 2 and b[0]["input_ids"].shape == (2, 32)
     assert b.info["generation"]["model_fingerprint"] == smollm2.fingerprint
