@@ -132,6 +132,15 @@ def test_allocations_are_compared_on_self_text_the_calibration_and_evaluation_di
     assert (cspec.source, cspec.skip_samples, cspec.max_samples, taken) == ("builtin:licenses", 0, 16, 0)
 
 
+def test_longer_blocks_judge_on_the_same_tokens_of_self_text_not_more():
+    """64 blocks of 128 tokens (or fewer tokens each); longer blocks fewer of them, 8,192 tokens in all
+    and at least 4 blocks: 64 blocks of 2,048 tokens would be 131k tokens to sample."""
+    def judged(seq_len: int) -> int:
+        return allocation_spec(DataSpec(source="builtin:pydoc+self", max_samples=64, seq_len=seq_len), 80,
+                               True)[0].max_samples
+    assert [judged(n) for n in (16, 128, 256, 512, 2048, 4096)] == [64, 64, 32, 16, 4, 4]
+
+
 def test_allocations_compared_without_a_refit_are_judged_on_the_heldout_data_named(src, tmp_path):
     r = _run("prune", src, *COMMON, "--fraction", 0.5, "--normalize", "layer,none", "--heldout-data",
              "builtin:licenses", "-o", tmp_path / "p", "--json")

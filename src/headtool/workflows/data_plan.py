@@ -59,16 +59,26 @@ def self_blocks_read(spec: DataSpec | None, positions: int) -> int:
 
 
 #: Blocks of self text on which `prune --normalize auto` compares its candidate allocations: over 64
-#: blocks the paired per-block loss difference of two allocations of SmolLM2-135M has a standard error
-#: of about 0.01 nats (0.02-0.04 over the 16 held-out blocks of the calibration used before).
+#: blocks of 128 tokens the paired per-block loss difference of two allocations of SmolLM2-135M has a
+#: standard error of about 0.01 nats (0.02-0.04 over the 16 held-out blocks of the calibration used
+#: before). Longer blocks take fewer of them, ALLOCATION_TOKENS in all (at least ALLOCATION_MIN_BLOCKS):
+#: the text is sampled, and 64 blocks of 2,048 tokens would be 131k tokens to generate, about a quarter
+#: of an hour for SmolLM2-135M on 2 cores and far longer for a 7B model on a CPU.
 ALLOCATION_BLOCKS = 64
+ALLOCATION_TOKENS = 8192
+ALLOCATION_MIN_BLOCKS = 4
+
+
+def allocation_blocks(seq_len: int) -> int:
+    """Blocks of self text that judge the allocation at this block length (64 at 128 tokens or fewer)."""
+    return max(ALLOCATION_MIN_BLOCKS, min(ALLOCATION_BLOCKS, ALLOCATION_TOKENS // max(seq_len, 1)))
 
 
 def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec | None = None,
                     heldout_data: str | DataSpec | None = None) -> tuple[DataSpec, int]:
     """The held-out blocks on which candidate layer allocations are compared, and how many blocks of
-    `spec` they take. Where the model can sample its own text (`sampling`), ALLOCATION_BLOCKS blocks
-    of it that neither the calibration (its first `used` blocks) nor the evaluation `after` read: the
+    `spec` they take. Where the model can sample its own text (`sampling`), allocation_blocks blocks
+    of it (64 of 128 tokens) that neither the calibration (its first `used` blocks) nor the evaluation `after` read: the
     model's own distribution judges how general the pruned model stays, where a narrow calibration
     source judges only itself (SmolLM2-135M, six calibrations at 25% and 50%: self text sided with
     news, legal and wiki text in 11 of the 12, the 12th by 0.003 nats; 64 pydoc blocks sided against
@@ -83,7 +93,7 @@ def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec |
     if after is not None and after.max_samples is not None:
         skip = max(skip, self_blocks_read(after, after.skip_samples + after.max_samples))
     cspec = replace(spec, source="self", split=None, text_column=None, label_column=None, skip_samples=skip,
-                    max_samples=ALLOCATION_BLOCKS, num_tokens=None)
+                    max_samples=allocation_blocks(spec.seq_len), num_tokens=None)
     return cspec, 0
 
 

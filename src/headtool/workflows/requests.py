@@ -149,8 +149,9 @@ NORMALIZATIONS = ("auto", "layer", "none")
 NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads each layer loses: layer (per-layer "
                   "L2, Michel) | none (the raw loss estimates) | a comma list, each pruned (all but the last on a copy "
                   "of the attention weights) and the lowest loss on held-out blocks kept (--heldout-data's when "
-                  "given, else 64 blocks of text sampled from the model that the calibration did not read, else "
-                  "the calibration's source after it) | auto: layer,none with --compensate and loss-based scores "
+                  "given, else 8,192 tokens of text sampled from the model (64 blocks of 128) that the calibration "
+                  "did not read, else the calibration's source after it) | auto: layer,none with --compensate and "
+                  "loss-based scores "
                   "(each helps at another fraction, measured), else as scored")
 
 
