@@ -173,24 +173,25 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         candidates = {m: select_heads(scored.matrix(m), geometry, target) for m in modes or [None]}
         selection = next(iter(candidates.values()))
     compared = len({c.kept for c in candidates.values()}) > 1
-    calib, heldout, eval_batches, eval_objective, eval_info, compare_batches, cspec = _data(lm, spec, req, tm, compared)
+    data = _data(lm, spec, req, tm, compared)
 
-    def run(trial: LoadedModel, chosen: Selection, evaluation=eval_batches) -> PruneResult:
-        return prune(trial, chosen, unit=req.unit, calib_batches=calib, heldout_batches=heldout,
+    def run(trial: LoadedModel, chosen: Selection, evaluation=data.eval_batches) -> PruneResult:
+        return prune(trial, chosen, unit=req.unit, calib_batches=data.calib, heldout_batches=data.heldout,
                      compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
                      damping=req.damping, anchor=parse_anchor(req.anchor), eval_batches=evaluation,
-                     objective=eval_objective, calib_device=calib_device)
+                     objective=data.eval_objective, calib_device=calib_device)
 
     if compared:
+        cspec = data.compare_spec
         compared_on = {"source": cspec.source, "skip_samples": cspec.skip_samples, "seed": cspec.seed}
-        result = _best_allocation(lm, candidates, run, compare_batches, eval_batches,
+        result = _best_allocation(lm, candidates, run, data.compare_batches, data.eval_batches,
                                   resolve_objective(req.objective, lm.task, None), compared_on)
     else:
         result = run(lm, selection)
         if candidates and next(iter(candidates)) is not None:
             result.allocation = {"normalize": next(iter(candidates)), "candidates": [
                 {"normalize": m, "removed_per_layer": _per_layer(c, geometry)} for m, c in candidates.items()]}
-    return Pruned(result, target, score_info, eval_info, spec)
+    return Pruned(result, target, score_info, data.eval_info, spec)
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,20 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str, tm) -> tu
                                "objective": resolved, "normalize": result.normalize, "data": calib_info(lm, spec)}
 
 
-def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
+@dataclass
+class PruneData:
+    """The batches one prune reads, cut so that none of them overlaps another."""
+
+    calib: list | None = None  # calibration (the refit's; None without --compensate)
+    heldout: list | None = None  # the refit's held-out blocks
+    eval_batches: list | None = None  # --eval-data, after everything the prune fitted on
+    eval_objective: str | None = None
+    eval_info: dict | None = None
+    compare_batches: list | None = None  # where candidate allocations are compared (with labels)
+    compare_spec: DataSpec | None = None  # ... and the spec they came from
+
+
+def _data(lm, spec, req: PruneRequest, tm, compare: bool = False) -> PruneData:
     """Calibration, held-out-for-refit and evaluation batches (evaluation disjoint from the others), and
     with `compare` the held-out blocks, with labels, on which candidate allocations are compared (the
     refit's held-out blocks when there are any, else `allocation_spec`'s: self text where the model can
@@ -363,5 +377,5 @@ def _data(lm, spec, req: PruneRequest, tm, compare: bool = False):
             eb = make_batches(espec, lm.tokenizer, DATA_TASK[eval_objective], model=tm)
         eval_batches = eb.batches
         eval_info = {**eb.info, "skip_samples": skip}
-    return calib, heldout, eval_batches, eval_objective, eval_info, compare_batches, cspec
+    return PruneData(calib, heldout, eval_batches, eval_objective, eval_info, compare_batches, cspec)
 
