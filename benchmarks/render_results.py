@@ -161,6 +161,27 @@ def general_prose_section(doc: dict) -> str:
     ])
 
 
+def kv_groups_section(doc: dict) -> str:
+    from bench_kv_groups import render
+
+    st = doc["settings"]
+    return "\n".join([
+        "### Heads removed in whole GQA steps or one at a time: SmolLM2-135M, no training",
+        "",
+        "On a grouped-query layer prune removes one query head from every KV group at a time (the groups stay "
+        "equal in size), so SmolLM2-135M (9 query heads in 3 groups) loses 0, 3 or 6 heads a layer. What that "
+        "costs, measured by pruning the model expanded exactly to multi-head attention (each query head its own "
+        "copy of its group's K/V head; the same perplexities), where any single head can go: prune's defaults "
+        f"on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`), the same number of heads, "
+        "out-of-domain ratios as above. A measurement of the choice, not a way to prune (the expanded cache is "
+        "3x the original's): keeping the 3 K/V heads with uneven groups would make it one.",
+        "",
+        render(doc),
+        "",
+        f"`{doc['command']}`",
+    ])
+
+
 def quality_section(doc: dict) -> str:
     from bench_quality import render
 
@@ -434,6 +455,7 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
+            ("kv_groups*.json", kv_groups_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),
             ("mla_calibration*.json", mla_calibration_section),
