@@ -103,7 +103,7 @@ def main() -> None:
                         "transformers": transformers.__version__},
            "settings": {"seeds": seeds, "fractions": fractions, "cal": a.cal, "eval": a.eval,
                         "calibration": CALIBRATION, "threads": torch.get_num_threads()},
-           "variants": VARIANTS, "domains": {n: {k: v for k, v in d.items() if k != "spec"} for n, d in domains.items()},
+           "variants": VARIANTS, "domains": domains,
            "order": list(domains), "base": base, "rows": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,9 @@ text from the same seed, as another seed would.
 Blocks are cached under ``<headtool cache>/selfcal/<key>.json`` (ids and decoded texts),
 keyed by the model's fingerprint, the precision it ran in (dtype and device kind: the same
 weights in bfloat16, or on a GPU, sample other text), the start token and every sampling setting
-(seq_len, seed, temperature, top_p, the group size, the generator's version); a cache holding fewer blocks
-than asked for is extended by whole groups (the blocks it has are kept), so repeated runs generate nothing. Files are written
-atomically (temp file + rename).
+(seq_len, seed, temperature, top_p, the group size, the generator's version); a cache holding fewer
+blocks than asked for is extended by whole groups (the blocks it has are kept), so repeated runs
+generate nothing. Files are written atomically (temp file + rename).
 """
 from __future__ import annotations
 

@@ -78,8 +78,8 @@ def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec |
                     heldout_data: str | DataSpec | None = None) -> tuple[DataSpec, int]:
     """The held-out blocks on which candidate layer allocations are compared, and how many blocks of
     `spec` they take. Where the model can sample its own text (`sampling`), allocation_blocks blocks
-    of it (64 of 128 tokens) that neither the calibration (its first `used` blocks) nor the evaluation `after` read: the
-    model's own distribution judges how general the pruned model stays, where a narrow calibration
+    of it (64 of 128 tokens) that neither the calibration (its first `used` blocks) nor the evaluation
+    `after` read: the model's own distribution judges how general the pruned model stays, where a narrow calibration
     source judges only itself (SmolLM2-135M, six calibrations at 25% and 50%: self text sided with
     news, legal and wiki text in 11 of the 12, the 12th by 0.003 nats; 64 pydoc blocks sided against
     them at t = -3.3 in one).

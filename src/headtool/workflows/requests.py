@@ -151,8 +151,7 @@ NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads e
                   "of the attention weights) and the lowest loss on held-out blocks kept (--heldout-data's when "
                   "given, else 8,192 tokens of text sampled from the model (64 blocks of 128) that the calibration "
                   "did not read, else the calibration's source after it) | auto: layer,none with --compensate and "
-                  "loss-based scores "
-                  "(each helps at another fraction, measured), else as scored")
+                  "loss-based scores (each helps at another fraction, measured), else as scored")
 
 
 @dataclass(frozen=True)
