@@ -324,9 +324,11 @@ def _precision(module: Any) -> str:
 def self_cache_key(fingerprint: str, precision: str, seq_len: int, seed: int, temperature: float, top_p: float,
                    start: int, group: int | None = None) -> str:
     """The cache key of one model's self-generated blocks for one precision and set of sampling settings."""
-    blob = json.dumps(_settings(fingerprint, precision, seq_len, seed, temperature, top_p, start, group),
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+    return _key_of(_settings(fingerprint, precision, seq_len, seed, temperature, top_p, start, group))
+
+
+def _key_of(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def self_cache_path(key: str) -> Path:
@@ -398,7 +400,7 @@ def self_blocks(model: Any, tokenizer: Any, n: int, seq_len: int, *, seed: int =
     start = start_token_id(tokenizer, target.module)
     precision = _precision(target.module)
     settings = _settings(target.fingerprint, precision, seq_len, seed, temperature, top_p, start, group)
-    key = self_cache_key(target.fingerprint, precision, seq_len, seed, temperature, top_p, start, group)
+    key = _key_of(settings)
     path = self_cache_path(key)
     ids, texts = _read_cache(path, settings, seq_len) if cache else ([], [])
     have = len(ids) - len(ids) % group  # whole groups only: a partial one would be sampled in another batch
