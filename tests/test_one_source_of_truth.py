@@ -142,8 +142,8 @@ def test_the_cli_rejects_what_the_recipe_rejects(tmp_path):
     from typer.testing import CliRunner
 
     res = CliRunner().invoke(app, ["score", "x", "--normalize", "sideways"])
-    assert res.exit_code == 2 and "--normalize must be one of auto, layer, none, got 'sideways'" in res.output
-    assert STEP_KEYS["score"]["normalize"]("sideways") == "must be one of auto, layer, none, got 'sideways'"
+    assert res.exit_code == 2 and "--normalize must be one of auto, layer, geometric, none, got 'sideways'" in res.output
+    assert STEP_KEYS["score"]["normalize"]("sideways") == "must be one of auto, layer, geometric, none, got 'sideways'"
 
 
 def test_model_options_are_declared_once_for_every_command_and_recipes():

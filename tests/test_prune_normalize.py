@@ -48,6 +48,8 @@ def _req(**kw) -> PruneRequest:
 def test_auto_compares_layer_and_none_only_for_loss_based_scores_with_compensate():
     scored = Scored(RAW, RAW, "layer", "gradient")
     assert normalizations(_req(), scored, SPEC, "causal-lm") == ["layer", "none"]
+    assert normalizations(_req(normalize="layer,geometric,none"), scored, SPEC, "causal-lm") == \
+        ["layer", "geometric", "none"]
     assert normalizations(_req(compensate=False), scored, SPEC, "causal-lm") is None
     assert normalizations(_req(), Scored(RAW, RAW, "none", "magnitude"), SPEC, "causal-lm") is None
     assert normalizations(_req(), Scored(RAW, None, "layer", "gradient"), SPEC, "causal-lm") is None
@@ -74,6 +76,15 @@ def test_scores_renormalize_from_the_raw_ones():
     assert scored.matrix(None) is scored.scores
     norm = Scored(RAW, RAW, "none").matrix("layer")
     assert all(sum(v * v for v in row) == pytest.approx(1.0) for row in norm)
+    # geometric: the geometric mean of the raw and the per-layer normalized score, head by head
+    geo = Scored(RAW, RAW, "none").matrix("geometric")
+    assert all(g == pytest.approx((r * n) ** 0.5) for gr, rr, nr in zip(geo, RAW, norm) for g, r, n in zip(gr, rr, nr))
+    # so the heads each layer loses sit between the two: the 4 weakest of 8 by layer
+    def lowest4(m):
+        weakest = sorted((v, i) for i, row in enumerate(m) for v in row)[:4]
+        return [sum(i == layer for _, i in weakest) for layer in range(2)]
+    assert [lowest4(Scored(RAW, RAW, "none").matrix(m)) for m in ("none", "geometric", "layer")] == \
+        [[0, 4], [1, 3], [2, 2]]
 
 
 def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src, tmp_path):
@@ -161,7 +172,7 @@ def test_an_evaluation_on_self_text_starts_after_the_self_blocks_of_a_mixed_cali
 def test_the_default_compares_and_a_recipe_step_does_the_same(src, tmp_path):
     cli = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "-o", tmp_path / "cli", "--json")
     assert cli.exit_code == 0, cli.stderr
-    assert len(json.loads(cli.stdout)["allocation"]["candidates"]) == 2
+    assert [c["normalize"] for c in json.loads(cli.stdout)["allocation"]["candidates"]] == ["layer", "none"]
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {src}\ndata: {{source: 'builtin:pydoc', max_samples: 8, seq_len: 16, batch_size: 2}}\n"
                       "steps:\n  - score: {}\n  - prune: {fraction: 0.5, compensate: true}\n")

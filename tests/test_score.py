@@ -223,6 +223,18 @@ def test_normalize_layer_gives_unit_rows_and_keeps_raw():
     assert normalize_scores([[0.0, 0.0]], "layer") == [[0.0, 0.0]]
 
 
+def test_normalize_geometric_divides_by_the_square_root_of_the_layer_norm():
+    model = tiny_model("gpt2")
+    adapter = adapter_for(model.config)
+    res = score_heads(model, adapter, [_batch("gpt2", 2, 12, seed=1)], method="gradient", objective="lm",
+                      normalize="geometric")
+    assert res.normalize == "geometric"
+    for s_row, r_row in zip(res.scores, res.raw_scores):
+        norm = math.sqrt(sum(v * v for v in r_row))
+        assert s_row == pytest.approx([v / norm ** 0.5 for v in r_row], rel=1e-12)
+    assert normalize_scores([[0.0, 0.0]], "geometric") == [[0.0, 0.0]]
+
+
 def test_iterative_records_removal_order_and_scores_agree_with_it():
     model = tiny_model("llama")
     adapter = adapter_for(model.config)

@@ -145,7 +145,7 @@ def test_read_scores_file_problems(tmp_path, folders):
 
 @pytest.mark.parametrize("args,message", [
     (["--method", "nope"], "unknown --method"),
-    (["--normalize", "rows"], "--normalize must be one of auto, layer, none"),
+    (["--normalize", "rows"], "--normalize must be one of auto, layer, geometric, none"),
     (["--objective", "mlm"], "needs a masked-lm model"),
     (["--objective", "kl", "--method", "taylor"], "first-order"),
     (["--method", "random", "--iterative", "2"], "--iterative needs a data-driven method"),

@@ -41,7 +41,8 @@ REFIT_LAYERS = ("pruned", "all")
 
 def normalization_label(mode: str) -> str:
     """The scores a --normalize mode allocates heads from, in words (summary, card and progress log)."""
-    return {"layer": "per-layer normalized scores", "none": "raw scores"}.get(mode, mode)
+    return {"layer": "per-layer normalized scores", "geometric": "scores between raw and per-layer normalized",
+            "none": "raw scores"}.get(mode, mode)
 
 
 @dataclass

@@ -217,8 +217,8 @@ def normalizations(req: PruneRequest, scored: Scored, spec: DataSpec | None, tas
     """The score normalizations to prune with and compare (None: the scores as they are)."""
     modes = [m.strip() for m in req.normalize.split(",") if m.strip()]
     if not modes or any(m not in NORMALIZATIONS for m in modes) or ("auto" in modes and len(modes) > 1):
-        raise UsageError(f"--normalize {req.normalize!r}: use auto, or one or more of layer, none separated by "
-                         "commas")
+        raise UsageError(f"--normalize {req.normalize!r}: use auto, or one or more of layer, geometric, none "
+                         "separated by commas")
     objective = resolve_objective(req.objective, task, None)
     if modes == ["auto"]:
         comparable = (req.compensate and scored.raw is not None and not scored.iterative

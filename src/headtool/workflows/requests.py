@@ -22,7 +22,7 @@ from ..train.options import HealOptions
 SCORE_METHODS = ("gradient", "ablation", "taylor", "fisher", "magnitude", "random")
 OBJECTIVES = ("auto", "lm", "mlm", "classification", "kl")
 EVAL_OBJECTIVES = ("auto", "lm", "mlm", "classification")
-NORMALIZE = ("auto", "layer", "none")
+NORMALIZE = ("auto", "layer", "geometric", "none")
 MERGE_METHODS = ("mean", "aligned", "fit")
 GROUPINGS = ("contiguous", "similarity")
 RANK_ALLOCATIONS = ("uniform", "auto")
@@ -114,8 +114,9 @@ class ScoreRequest:
     method: str = option("gradient", METHOD_HELP, flags=("--method", "-m"), choices=SCORE_METHODS)
     objective: str = option("auto", "auto | lm | mlm | classification | kl (divergence from the model's own "
                             "outputs; any model, headless encoders too)", choices=OBJECTIVES)
-    normalize: str = option("auto", "auto | layer (per-layer L2, Michel) | none; auto = layer for gradient, "
-                            "taylor and fisher, none otherwise. raw_scores are always kept", choices=NORMALIZE)
+    normalize: str = option("auto", "auto | layer (per-layer L2, Michel) | geometric (over the square root of "
+                            "that norm: between the two) | none; auto = layer for gradient, taylor and fisher, none "
+                            "otherwise. raw_scores are always kept", choices=NORMALIZE)
     iterative: int = option(0, "K rounds of: score, gate off the weakest heads, re-score (Michel); records "
                             "removal_order", min=0)
     fraction: float | None = option(None, "with --iterative: fraction of all heads gated off over the K rounds "
@@ -145,9 +146,10 @@ class ScoreRequest:
 
 
 _H, _T, _C, _E = "Heads", "Target", "Compensation", "Evaluation"
-NORMALIZATIONS = ("auto", "layer", "none")
+NORMALIZATIONS = ("auto", "layer", "geometric", "none")
 NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads each layer loses: layer (per-layer "
-                  "L2, Michel) | none (the raw loss estimates) | a comma list, each pruned (all but the last on a copy "
+                  "L2, Michel) | none (the raw loss estimates) | geometric (between the two: their geometric mean) "
+                  "| a comma list, each pruned (all but the last on a copy "
                   "of the attention weights) and the lowest loss on held-out blocks kept (--heldout-data's when "
                   "given, else 8,192 tokens of text sampled from the model (64 blocks of 128) that the calibration "
                   "did not read, else the calibration's source after it) | auto: layer,none with --compensate and "
