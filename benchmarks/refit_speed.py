@@ -12,8 +12,9 @@ In one run on one model (default SmolLM2-135M, float32, CPU), on the same N cali
   gradient scores computed beforehand, not timed in the step), heads chosen inside layers by
   the refit cost (the default), held-out blocks as for the merge;
 - `self-generation`: `self_blocks` sampling N blocks of --seq-len tokens from the model
-  (`--data self:N`: batched generation with a KV cache, the cache on disk bypassed), the
-  same number of tokens as the forward.
+  (`--data self:N`: batched generation with a KV cache, the cache on disk bypassed). It samples
+  whole groups (32 blocks of 128 tokens), so N = 16 samples 32: twice the forward's tokens,
+  which is what `--data self:16` costs the first time.
 The convert-gqa steps are reported with and without the shared `grams` pass; each ratio is
 seconds / forward seconds. The load average is recorded: on a shared machine it explains a lot.
 
@@ -135,8 +136,10 @@ def main() -> None:
                      "refit_layers_kept": sum(r["kept"] for r in res.compensation)})
         del model
     if "selfgen" in steps:
-        _, s = _timed(lambda: self_blocks(lm.model, lm.tokenizer, a.blocks, a.seq_len, seed=0, cache=False))
-        rows.append({"step": f"self-generation ({a.blocks} blocks)", "seconds": s})
+        sb, s = _timed(lambda: self_blocks(lm.model, lm.tokenizer, a.blocks, a.seq_len, seed=0, cache=False))
+        # whole groups are sampled (selfgen.group_size): the row says how many, beside the count asked for
+        rows.append({"step": f"self-generation ({a.blocks} blocks, {sb.generated} sampled)", "seconds": s,
+                     "sampled_blocks": sb.generated})
     _, fwd_end = _timed(forward)  # again at the end: on a shared machine the unit is the faster of the two
     load["end"] = os.getloadavg()[0]
     rows[0]["seconds_at_end"] = fwd_end
