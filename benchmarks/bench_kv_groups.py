@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import math
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,13 +29,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from run_clock import RunClock  # noqa: E402
+from sample_runs import add_sample_options, document, geomean, start  # noqa: E402
 
 import torch  # noqa: E402
 
 from headtool.arch.heads import LayerKeep, layer_tensor_names  # noqa: E402
 from headtool.arch import LayerHeads  # noqa: E402
-from headtool.model.loading import load_model, model_from_object  # noqa: E402
+from headtool.model.loading import model_from_object  # noqa: E402
 from headtool.model.resize import resize_attention  # noqa: E402
 from headtool.workflows.prune import prune_loaded  # noqa: E402
 from headtool.workflows.requests import PruneRequest, ScoreRequest  # noqa: E402
@@ -68,43 +67,21 @@ def expand_to_mha(model, adapter) -> None:
         resize_attention(model, adapter, layer, LayerHeads(geo.num_heads, geo.num_heads, geo.head_dim), new)
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2", help="calibration samples (bench_cross_domain --seed)")
-    ap.add_argument("--fractions", default="0.25")
-    ap.add_argument("--cal", type=int, default=64)
-    ap.add_argument("--eval", type=int, default=16)
-    ap.add_argument("--out", default=str(HERE / "results" / "kv_groups.json"))
+    add_sample_options(ap, fractions="0.25", out="kv_groups.json")
     a = ap.parse_args()
-    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
-    fractions = [float(f) for f in a.fractions.split(",") if f.strip()]
-    clock = RunClock()
-    log = clock.log
-    lm = load_model(cross.MODEL, dtype="float32", device="cpu")
-    tok = lm.tokenizer
+    run = start(a)
+    lm, tok, evals, base, log = run.lm, run.lm.tokenizer, run.evals, run.base, run.clock.log
+    seeds, fractions, domains, clock = run.seeds, run.fractions, run.domains, run.clock
     mha = copy.deepcopy(lm.model)
     expand_to_mha(mha, lm.adapter)
     mlm = model_from_object(mha, tok, ref=cross.MODEL)
-    # held-out blocks of the refit are not read at the defaults; 16 reserved as bench_cross_domain does
-    domains, evals = cross.evaluation_sets(tok, seq_len=128, batch_size=4, n_eval=a.eval, used=a.cal + 16,
-                                           min_blocks=64, log=log, in_domain=False)
-    base, _ = cross.perplexities(lm.model, evals)
     expanded, _ = cross.perplexities(mha, evals)
     for name in base:
         if not math.isclose(base[name]["loss"], expanded[name]["loss"], rel_tol=1e-5):
             raise SystemExit(f"the expanded model differs on {name}: {base[name]} vs {expanded[name]}")
-    import transformers
-    doc = {"model": cross.MODEL, "command": shlex.join(["python", "benchmarks/bench_kv_groups.py", *sys.argv[1:]]),
-           "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                        "transformers": transformers.__version__},
-           "settings": {"seeds": seeds, "fractions": fractions, "cal": a.cal, "eval": a.eval,
-                        "calibration": CALIBRATION, "threads": torch.get_num_threads()},
-           "variants": VARIANTS, "domains": domains,
-           "order": list(domains), "base": base, "rows": []}
+    doc = {**document(run, a, "bench_kv_groups.py", CALIBRATION), "variants": VARIANTS}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
@@ -130,6 +107,7 @@ def main() -> None:
                        "removed_per_layer": [len(r) for r in done.result.selection.removed(
                            done.result.geometry_before)],
                        "allocation": (done.result.allocation or {}).get("normalize"),
+                       "candidates": [c["normalize"] for c in (done.result.allocation or {}).get("candidates", [])],
                        "eval": {n: {**ev[n], "ratio": ev[n]["perplexity"] / base[n]["perplexity"]} for n in ev},
                        "score_seconds": round(score_s, 1), "prune_seconds": round(prune_s, 1)}
                 doc["rows"].append(row)

@@ -161,6 +161,25 @@ def general_prose_section(doc: dict) -> str:
     ])
 
 
+def allocation_section(doc: dict) -> str:
+    from bench_allocation import render
+
+    st = doc["settings"]
+    return "\n".join([
+        "### How many heads each layer loses, per calibration sample (`--normalize`): SmolLM2-135M, no training",
+        "",
+        "Each `--normalize` mode pruned alone at prune's defaults on "
+        f"{st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`): the judge's loss (the "
+        "64 blocks of self text the calibration did not read, on which a list of modes keeps the lowest) and "
+        "the out-of-domain ratios as above. `auto` (the default: `layer,none`) keeps the row marked so; "
+        "`layer,geometric,none`, the bold one. The geometric means compare what each keeps over the samples.",
+        "",
+        render(doc),
+        "",
+        f"`{doc['command']}`",
+    ])
+
+
 def kv_groups_section(doc: dict) -> str:
     from bench_kv_groups import render
 
@@ -455,7 +474,7 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
-            ("kv_groups*.json", kv_groups_section),
+            ("allocation*.json", allocation_section), ("kv_groups*.json", kv_groups_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),
             ("mla_calibration*.json", mla_calibration_section),

@@ -1,0 +1,125 @@
+"""How many heads each layer loses, per calibration sample: every `--normalize` mode pruned alone, what
+the judge of a list of modes says of each, and what each costs on text the calibration never saw.
+
+For every calibration sample (bench_cross_domain --seed: which pydoc blocks and which self text) and
+fraction, SmolLM2-135M is pruned at prune's defaults (gradient scores on 64 blocks of
+`builtin:pydoc+self`, `--compensate --anchor 1`, the first layer protected) once per normalization
+(`layer`, `geometric`, `none`; each alone is bit for bit the candidate a list of modes builds). Each
+pruned model is scored by the judge a list uses (its mean loss on the 64 blocks of self text the
+calibration did not read, the same blocks prune reads) and evaluated out of domain as
+bench_cross_domain.py. The table shows what `auto` (`layer,none`) keeps and what
+`--normalize layer,geometric,none` keeps, per sample and as geometric means.
+
+    python benchmarks/bench_allocation.py --seeds 0,1,2,3,4,5 --fractions 0.25,0.5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_cross_domain as cross  # noqa: E402
+from sample_runs import add_sample_options, document, geomean, start  # noqa: E402
+
+
+from headtool.data.batches import make_batches  # noqa: E402
+from headtool.measure.evaluation import evaluate  # noqa: E402
+from headtool.model.loading import model_from_object  # noqa: E402
+from headtool.workflows.data_plan import allocation_spec  # noqa: E402
+from headtool.workflows.prune import prune_loaded  # noqa: E402
+from headtool.workflows.requests import PruneRequest, ScoreRequest  # noqa: E402
+from headtool.workflows.score import score_loaded  # noqa: E402
+
+CALIBRATION = "builtin:pydoc+self"
+MODES = ("layer", "geometric", "none")  # `--normalize layer,geometric,none` (a tie keeps the first)
+AUTO = ("layer", "none")  # what `--normalize auto` compares
+
+
+def judged(losses: dict[str, float], modes: tuple[str, ...]) -> str:
+    """The mode a list of `modes` keeps: the lowest judge loss, the first on a tie (as prune does)."""
+    return min(modes, key=lambda m: (losses[m], modes.index(m)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_sample_options(ap, fractions="0.25,0.5", out="allocation.json")
+    a = ap.parse_args()
+    run = start(a)
+    lm, tok, evals, base, log = run.lm, run.lm.tokenizer, run.evals, run.base, run.clock.log
+    seeds, fractions, domains, clock = run.seeds, run.fractions, run.domains, run.clock
+    doc = document(run, a, "bench_allocation.py", CALIBRATION, modes=list(MODES), auto=list(AUTO))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        spec, _ = cross.calibration_spec(CALIBRATION, domains, blocks=a.cal, evaluated=a.eval, seq_len=128,
+                                         batch_size=4, seed=seed)
+        t0 = time.perf_counter()
+        scores = score_loaded(lm, ScoreRequest(model=cross.MODEL, method="gradient", data=spec),
+                              text_model=lm).result
+        score_s = time.perf_counter() - t0
+        # the blocks prune's judge reads: self text after every self block the calibration read
+        judge_spec = allocation_spec(spec, spec.skip_samples + spec.max_samples, True)[0]
+        judge = make_batches(judge_spec, tok, "lm", model=lm).batches
+        for fraction in fractions:
+            row = {"seed": seed, "fraction": fraction, "score_seconds": round(score_s, 1), "modes": {}}
+            for mode in MODES:
+                t0 = time.perf_counter()
+                plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
+                req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize=mode)
+                done = prune_loaded(plm, req, scores=scores, text_model=lm)
+                prune_s = time.perf_counter() - t0
+                ev, _ = cross.perplexities(plm.model, evals)
+                row["heads_removed"] = done.result.summary()["heads_removed"]
+                row["modes"][mode] = {
+                    "judge_loss": evaluate(plm.model, judge, "lm", label=f"judge {mode}")["loss"],
+                    "removed_per_layer": [len(r) for r in done.result.selection.removed(done.result.geometry_before)],
+                    "eval": {n: {**ev[n], "ratio": ev[n]["perplexity"] / base[n]["perplexity"]} for n in ev},
+                    "prune_seconds": round(prune_s, 1)}
+                log(f"seed {seed} {fraction:.0%} {mode}: judge {row['modes'][mode]['judge_loss']:.4f}, " + " / ".join(
+                    f"{n} {r['ratio']:.3f}x" for n, r in row["modes"][mode]["eval"].items()))
+            losses = {m: v["judge_loss"] for m, v in row["modes"].items()}
+            row["auto"], row["three"] = judged(losses, AUTO), judged(losses, MODES)
+            doc["rows"].append(row)
+            doc["total_seconds"] = clock.seconds()
+            out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(render(doc))
+
+
+def render(doc: dict) -> str:
+    """Per fraction: every sample's three modes (judge loss and out-of-domain ratios; what
+    `layer,geometric,none` keeps in bold, what `auto` keeps marked), then the geometric means of what
+    each keeps, and of each mode alone."""
+    order = doc["order"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    lines = ["| removed | calibration sample | `--normalize` | judge loss (self text) | " + " | ".join(labels)
+             + " | heads a layer lost (the counts that occur) |",
+             "| --- | ---: | --- | ---: | " + " | ".join("---:" for _ in order) + " | --- |"]
+    for fraction in doc["settings"]["fractions"]:
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction]
+        for r in rows:
+            for mode, m in r["modes"].items():
+                tag = " (auto)" if mode == r["auto"] else ""
+                bold = (lambda s: f"**{s}**") if mode == r["three"] else (lambda s: s)
+                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {mode}{tag} | "
+                             f"{m['judge_loss']:.4f} | "
+                             + " | ".join(bold(f"{m['eval'][n]['ratio']:.3f}x") for n in order)
+                             + f" | {', '.join(map(str, sorted(set(m['removed_per_layer']))))} |")
+        if len(rows) > 1:
+            picks = {"auto (layer,none)": [r["modes"][r["auto"]] for r in rows],
+                     "layer,geometric,none": [r["modes"][r["three"]] for r in rows],
+                     **{f"{mode} alone": [r["modes"][mode] for r in rows] for mode in doc["settings"]["modes"]}}
+            for name, picked in picks.items():
+                lines.append(f"| {fraction:.0%} | geometric mean of {len(rows)} | {name} | | "
+                             + " | ".join(f"**{geomean([p['eval'][n]['ratio'] for p in picked]):.3f}x**"
+                                          for n in order) + " | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""What the benchmarks that prune SmolLM2-135M once per calibration sample share (bench_kv_groups,
+bench_allocation): their options, the model with the out-of-domain sets and their baseline, the
+JSON document's header, and the geometric mean they summarize samples by."""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import bench_cross_domain as cross
+import torch
+from run_clock import RunClock
+
+from headtool.model.loading import LoadedModel, load_model
+
+HERE = Path(__file__).resolve().parent
+
+
+def add_sample_options(ap: argparse.ArgumentParser, fractions: str, out: str) -> None:
+    ap.add_argument("--seeds", default="0,1,2", help="calibration samples (bench_cross_domain --seed)")
+    ap.add_argument("--fractions", default=fractions)
+    ap.add_argument("--cal", type=int, default=64)
+    ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--out", default=str(HERE / "results" / out))
+
+
+@dataclass
+class SampleRun:
+    """One run: its clock, the model, the evaluation sets (out of domain only) and their baseline."""
+
+    clock: RunClock
+    lm: LoadedModel
+    domains: dict
+    evals: dict
+    base: dict
+    seeds: list[int]
+    fractions: list[float]
+
+
+def start(a: argparse.Namespace) -> SampleRun:
+    clock = RunClock()
+    lm = load_model(cross.MODEL, dtype="float32", device="cpu")
+    # held-out blocks of the refit are not read at the defaults; 16 reserved as bench_cross_domain does
+    domains, evals = cross.evaluation_sets(lm.tokenizer, seq_len=128, batch_size=4, n_eval=a.eval, used=a.cal + 16,
+                                           min_blocks=64, log=clock.log, in_domain=False)
+    base, _ = cross.perplexities(lm.model, evals)
+    return SampleRun(clock, lm, domains, evals, base, [int(s) for s in a.seeds.split(",") if s.strip()],
+                     [float(f) for f in a.fractions.split(",") if f.strip()])
+
+
+def document(run: SampleRun, a: argparse.Namespace, script: str, calibration: str, **extra: Any) -> dict:
+    """The JSON document's header (rows appended by the bench); `extra` goes into its settings."""
+    import transformers
+    return {"model": cross.MODEL, "command": shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]),
+            "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                         "transformers": transformers.__version__},
+            "settings": {"seeds": run.seeds, "fractions": run.fractions, "cal": a.cal, "eval": a.eval,
+                         "calibration": calibration, **extra, "threads": torch.get_num_threads()},
+            "domains": run.domains, "order": list(run.domains), "base": run.base, "rows": []}
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
