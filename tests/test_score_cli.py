@@ -186,3 +186,11 @@ def test_subprocess_score_to_stdout_parses(folders):
     doc = json.loads(out.stdout)
     assert doc["model"]["family"] == "gpt2" and len(doc["scores"]) == 3
     assert "head scores" in out.stderr
+
+
+def test_the_heatmap_label_names_the_normalization():
+    from headtool.cli.commands.score import _cbar_label
+
+    assert _cbar_label("gradient", "none") == "mean |dL/dg|"
+    assert _cbar_label("gradient", "layer") == "mean |dL/dg| / layer L2 norm"
+    assert _cbar_label("gradient", "geometric") == "mean |dL/dg| / sqrt(layer L2 norm)"

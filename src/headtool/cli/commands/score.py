@@ -83,7 +83,7 @@ def _fmt_for(matrix) -> str:
 def _cbar_label(estimator: str, norm: str) -> str:
     base = {"gradient": "mean |dL/dg|", "fisher": "Fisher (2nd-order Δloss)", "ablation": "loss increase",
             "taylor": "|Σ W·dL/dW|", "magnitude": "weight norm", "random": "random"}[estimator]
-    return base + (" / layer L2 norm" if norm == "layer" else "")
+    return base + {"layer": " / layer L2 norm", "geometric": " / sqrt(layer L2 norm)"}.get(norm, "")
 
 
 def register(app: typer.Typer) -> None:
