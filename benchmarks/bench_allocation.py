@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from sample_runs import add_sample_options, document, geomean, start  # noqa: E402
-
+from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
 
 from headtool.data.batches import make_batches  # noqa: E402
 from headtool.measure.evaluation import evaluate  # noqa: E402
@@ -51,14 +49,10 @@ def main() -> None:
     add_sample_options(ap, fractions="0.25,0.5", out="allocation.json")
     a = ap.parse_args()
     run = start(a)
-    lm, tok, evals, base, log = run.lm, run.lm.tokenizer, run.evals, run.base, run.clock.log
-    seeds, fractions, domains, clock = run.seeds, run.fractions, run.domains, run.clock
-    doc = document(run, a, "bench_allocation.py", CALIBRATION, modes=list(MODES), auto=list(AUTO))
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for seed in seeds:
-        spec, _ = cross.calibration_spec(CALIBRATION, domains, blocks=a.cal, evaluated=a.eval, seq_len=128,
-                                         batch_size=4, seed=seed)
+    lm, tok = run.lm, run.lm.tokenizer
+    doc = document(run, "bench_allocation.py", CALIBRATION, modes=list(MODES), auto=list(AUTO))
+    for seed in run.seeds:
+        spec = run.calibration(CALIBRATION, seed)
         t0 = time.perf_counter()
         scores = score_loaded(lm, ScoreRequest(model=cross.MODEL, method="gradient", data=spec),
                               text_model=lm).result
@@ -66,7 +60,7 @@ def main() -> None:
         # the blocks prune's judge reads: self text after every self block the calibration read
         judge_spec = allocation_spec(spec, spec.skip_samples + spec.max_samples, True)[0]
         judge = make_batches(judge_spec, tok, "lm", model=lm).batches
-        for fraction in fractions:
+        for fraction in run.fractions:
             row = {"seed": seed, "fraction": fraction, "score_seconds": round(score_s, 1), "modes": {}}
             for mode in MODES:
                 t0 = time.perf_counter()
@@ -74,20 +68,18 @@ def main() -> None:
                 req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize=mode)
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
-                ev, _ = cross.perplexities(plm.model, evals)
                 row["heads_removed"] = done.result.summary()["heads_removed"]
                 row["modes"][mode] = {
                     "judge_loss": evaluate(plm.model, judge, "lm", label=f"judge {mode}")["loss"],
-                    "removed_per_layer": [len(r) for r in done.result.selection.removed(done.result.geometry_before)],
-                    "eval": {n: {**ev[n], "ratio": ev[n]["perplexity"] / base[n]["perplexity"]} for n in ev},
+                    "removed_per_layer": removed_per_layer(done.result),
+                    "eval": run.ratios(plm.model),
                     "prune_seconds": round(prune_s, 1)}
-                log(f"seed {seed} {fraction:.0%} {mode}: judge {row['modes'][mode]['judge_loss']:.4f}, " + " / ".join(
+                run.clock.log(f"seed {seed} {fraction:.0%} {mode}: judge {row['modes'][mode]['judge_loss']:.4f}, " + " / ".join(
                     f"{n} {r['ratio']:.3f}x" for n, r in row["modes"][mode]["eval"].items()))
             losses = {m: v["judge_loss"] for m, v in row["modes"].items()}
             row["auto"], row["three"] = judged(losses, AUTO), judged(losses, MODES)
             doc["rows"].append(row)
-            doc["total_seconds"] = clock.seconds()
-            out.write_text(json.dumps(doc, indent=2) + "\n")
+            run.save(doc)
     print(render(doc))
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import sys
 import time
@@ -29,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from sample_runs import add_sample_options, document, geomean, start  # noqa: E402
+from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -72,48 +71,41 @@ def main() -> None:
     add_sample_options(ap, fractions="0.25", out="kv_groups.json")
     a = ap.parse_args()
     run = start(a)
-    lm, tok, evals, base, log = run.lm, run.lm.tokenizer, run.evals, run.base, run.clock.log
-    seeds, fractions, domains, clock = run.seeds, run.fractions, run.domains, run.clock
+    lm, tok, base = run.lm, run.lm.tokenizer, run.base
     mha = copy.deepcopy(lm.model)
     expand_to_mha(mha, lm.adapter)
     mlm = model_from_object(mha, tok, ref=cross.MODEL)
-    expanded, _ = cross.perplexities(mha, evals)
+    expanded = run.ratios(mha)
     for name in base:
         if not math.isclose(base[name]["loss"], expanded[name]["loss"], rel_tol=1e-5):
             raise SystemExit(f"the expanded model differs on {name}: {base[name]} vs {expanded[name]}")
-    doc = {**document(run, a, "bench_kv_groups.py", CALIBRATION), "variants": VARIANTS}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for seed in seeds:
-        spec, _ = cross.calibration_spec(CALIBRATION, domains, blocks=a.cal, evaluated=a.eval, seq_len=128,
-                                         batch_size=4, seed=seed)
+    doc = {**document(run, "bench_kv_groups.py", CALIBRATION), "variants": VARIANTS}
+    for seed in run.seeds:
+        spec = run.calibration(CALIBRATION, seed)
         removed: dict[float, int] = {}
         for variant, src in (("gqa", lm), ("any", mlm)):
             t0 = time.perf_counter()
             scores = score_loaded(src, ScoreRequest(model=cross.MODEL, method="gradient", data=spec),
                                   text_model=lm).result
             score_s = time.perf_counter() - t0
-            for fraction in fractions:
+            for fraction in run.fractions:
                 t0 = time.perf_counter()
                 plm = model_from_object(copy.deepcopy(src.model), tok, ref=cross.MODEL)
                 count = {"fraction": fraction} if variant == "gqa" else {"num_heads": removed[fraction]}
                 req = PruneRequest(model=cross.MODEL, compensate=True, data=spec, **count)
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
-                ev, _ = cross.perplexities(plm.model, evals)
                 s = done.result.summary()
                 removed.setdefault(fraction, s["heads_removed"])
                 row = {"seed": seed, "fraction": fraction, "variant": variant, "heads_removed": s["heads_removed"],
-                       "removed_per_layer": [len(r) for r in done.result.selection.removed(
-                           done.result.geometry_before)],
+                       "removed_per_layer": removed_per_layer(done.result),
                        "allocation": (done.result.allocation or {}).get("normalize"),
                        "candidates": [c["normalize"] for c in (done.result.allocation or {}).get("candidates", [])],
-                       "eval": {n: {**ev[n], "ratio": ev[n]["perplexity"] / base[n]["perplexity"]} for n in ev},
+                       "eval": run.ratios(plm.model),
                        "score_seconds": round(score_s, 1), "prune_seconds": round(prune_s, 1)}
                 doc["rows"].append(row)
-                doc["total_seconds"] = clock.seconds()
-                out.write_text(json.dumps(doc, indent=2) + "\n")
-                log(f"seed {seed} {fraction:.0%} {variant}: " + " / ".join(
+                run.save(doc)
+                run.clock.log(f"seed {seed} {fraction:.0%} {variant}: " + " / ".join(
                     f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
     print(render(doc))
 

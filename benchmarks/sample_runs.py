@@ -1,9 +1,11 @@
 """What the benchmarks that prune SmolLM2-135M once per calibration sample share (bench_kv_groups,
-bench_allocation): their options, the model with the out-of-domain sets and their baseline, the
-JSON document's header, and the geometric mean they summarize samples by."""
+bench_allocation): their options, the model with the out-of-domain sets and their baseline, each
+sample's calibration, a pruned model's ratios to the baseline, the JSON document (its header, saved
+after every row), and the geometric mean they summarize samples by."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -39,6 +41,24 @@ class SampleRun:
     base: dict
     seeds: list[int]
     fractions: list[float]
+    cal: int
+    eval: int
+    out: Path
+
+    def calibration(self, source: str, seed: int):
+        """The calibration of one sample: `cal` blocks of `source` (bench_cross_domain's cut)."""
+        return cross.calibration_spec(source, self.domains, blocks=self.cal, evaluated=self.eval, seq_len=128,
+                                      batch_size=4, seed=seed)[0]
+
+    def ratios(self, model) -> dict:
+        """`model`'s perplexities on the evaluation sets, each with its ratio to the unpruned model's."""
+        ev, _ = cross.perplexities(model, self.evals)
+        return {n: {**ev[n], "ratio": ev[n]["perplexity"] / self.base[n]["perplexity"]} for n in ev}
+
+    def save(self, doc: dict) -> None:
+        """Write the document as it stands (after every row: a run cut short keeps what it measured)."""
+        doc["total_seconds"] = self.clock.seconds()
+        self.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def start(a: argparse.Namespace) -> SampleRun:
@@ -48,17 +68,24 @@ def start(a: argparse.Namespace) -> SampleRun:
     domains, evals = cross.evaluation_sets(lm.tokenizer, seq_len=128, batch_size=4, n_eval=a.eval, used=a.cal + 16,
                                            min_blocks=64, log=clock.log, in_domain=False)
     base, _ = cross.perplexities(lm.model, evals)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     return SampleRun(clock, lm, domains, evals, base, [int(s) for s in a.seeds.split(",") if s.strip()],
-                     [float(f) for f in a.fractions.split(",") if f.strip()])
+                     [float(f) for f in a.fractions.split(",") if f.strip()], a.cal, a.eval, out)
 
 
-def document(run: SampleRun, a: argparse.Namespace, script: str, calibration: str, **extra: Any) -> dict:
+def removed_per_layer(result) -> list[int]:
+    """How many heads each layer of a prune's input lost."""
+    return [len(r) for r in result.selection.removed(result.geometry_before)]
+
+
+def document(run: SampleRun, script: str, calibration: str, **extra: Any) -> dict:
     """The JSON document's header (rows appended by the bench); `extra` goes into its settings."""
     import transformers
     return {"model": cross.MODEL, "command": shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]),
             "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                          "transformers": transformers.__version__},
-            "settings": {"seeds": run.seeds, "fractions": run.fractions, "cal": a.cal, "eval": a.eval,
+            "settings": {"seeds": run.seeds, "fractions": run.fractions, "cal": run.cal, "eval": run.eval,
                          "calibration": calibration, **extra, "threads": torch.get_num_threads()},
             "domains": run.domains, "order": list(run.domains), "base": run.base, "rows": []}
 
