@@ -27,7 +27,7 @@ import bench_cross_domain as cross  # noqa: E402
 from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
 
 from headtool.data.batches import make_batches  # noqa: E402
-from headtool.measure.evaluation import evaluate  # noqa: E402
+from headtool.measure.evaluation import evaluate, paired_difference  # noqa: E402
 from headtool.model.loading import model_from_object  # noqa: E402
 from headtool.workflows.data_plan import allocation_spec  # noqa: E402
 from headtool.workflows.prune import prune_loaded  # noqa: E402
@@ -39,9 +39,29 @@ MODES = ("layer", "geometric", "none")  # `--normalize layer,geometric,none` (a 
 AUTO = ("layer", "none")  # what `--normalize auto` compares
 
 
+MARGINS = (1.0, 2.0)  # the judges with a margin the table also shows (standard errors of the paired difference)
+
+
 def judged(losses: dict[str, float], modes: tuple[str, ...]) -> str:
     """The mode a list of `modes` keeps: the lowest judge loss, the first on a tie (as prune does)."""
     return min(modes, key=lambda m: (losses[m], modes.index(m)))
+
+
+def paired(row: dict, mode: str, against: str) -> tuple[float, float]:
+    """The judge loss of `mode` minus that of `against` on the same blocks, and its standard error."""
+    return paired_difference(row["modes"][mode]["judge_block_sums"], row["modes"][against]["judge_block_sums"],
+                             row["judge_block_weights"])
+
+
+def judged_with_margin(row: dict, modes: tuple[str, ...], margin: float) -> str:
+    """A judge that knows its noise: the first mode is kept unless a later one's loss is lower than the
+    one kept so far by more than `margin` standard errors of their paired difference."""
+    kept = modes[0]
+    for mode in modes[1:]:
+        diff, se = paired(row, mode, kept)
+        if -diff > margin * se:
+            kept = mode
+    return kept
 
 
 def main() -> None:
@@ -69,8 +89,11 @@ def main() -> None:
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
                 row["heads_removed"] = done.result.summary()["heads_removed"]
+                verdict = evaluate(plm.model, judge, "lm", label=f"judge {mode}", per_block=True)
+                row["judge_block_weights"] = verdict["block_weights"]
                 row["modes"][mode] = {
-                    "judge_loss": evaluate(plm.model, judge, "lm", label=f"judge {mode}")["loss"],
+                    "judge_loss": verdict["loss"],
+                    "judge_block_sums": [round(v, 6) for v in verdict["block_sums"]],
                     "removed_per_layer": removed_per_layer(done.result),
                     "eval": run.ratios(plm.model),
                     "prune_seconds": round(prune_s, 1)}
@@ -89,7 +112,8 @@ def render(doc: dict) -> str:
     each keeps, and of each mode alone."""
     order = doc["order"]
     labels = [doc["domains"][n].get("label", n) for n in order]
-    lines = ["| removed | calibration sample | `--normalize` | judge loss (self text) | " + " | ".join(labels)
+    lines = ["| removed | calibration sample | `--normalize` | judge loss (self text; paired difference from "
+             "`auto`'s ± one standard error) | " + " | ".join(labels)
              + " | heads a layer lost (the counts that occur) |",
              "| --- | ---: | --- | ---: | " + " | ".join("---:" for _ in order) + " | --- |"]
     for fraction in doc["settings"]["fractions"]:
@@ -99,7 +123,7 @@ def render(doc: dict) -> str:
                 tag = " (auto)" if mode == r["auto"] else ""
                 bold = (lambda s: f"**{s}**") if mode == r["three"] else (lambda s: s)
                 lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {mode}{tag} | "
-                             f"{m['judge_loss']:.4f} | "
+                             f"{m['judge_loss']:.4f}{_gap(r, mode)} | "
                              + " | ".join(bold(f"{m['eval'][n]['ratio']:.3f}x") for n in order)
                              + f" | {', '.join(map(str, sorted(set(m['removed_per_layer']))))} |")
         if len(rows) > 1:
@@ -110,6 +134,39 @@ def render(doc: dict) -> str:
                 lines.append(f"| {fraction:.0%} | geometric mean of {len(rows)} | {name} | | "
                              + " | ".join(f"**{geomean([p['eval'][n]['ratio'] for p in picked]):.3f}x**"
                                           for n in order) + " | |")
+    if all("judge_block_weights" in r for r in doc["rows"]):
+        lines += ["", margin_table(doc)]
+    return "\n".join(lines)
+
+
+def _gap(row: dict, mode: str) -> str:
+    """` (+0.0020 ± 0.0073)`: this mode's judge loss above `auto`'s pick, when the row has block losses."""
+    if mode == row["auto"] or "judge_block_weights" not in row:
+        return ""
+    diff, se = paired(row, mode, row["auto"])
+    return f" ({diff:+.4f} ± {se:.4f})"
+
+
+def margin_table(doc: dict) -> str:
+    """What judges that need a margin would have kept, from the same prunes: per fraction and list of
+    modes, the lowest loss (prune's rule) and the first mode unless a later one wins by 1 or 2 standard
+    errors; geometric means over the samples and the mode kept per sample."""
+    order = doc["order"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    lines = ["| removed | `--normalize` | judge | " + " | ".join(labels) + " | kept, sample by sample |",
+             "| --- | --- | --- | " + " | ".join("---:" for _ in order) + " | --- |"]
+    for fraction in doc["settings"]["fractions"]:
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction]
+        for modes in (AUTO, MODES):
+            judges = [("lowest loss (prune's rule)", lambda r: judged({m: v["judge_loss"] for m, v in
+                                                                       r["modes"].items()}, modes))]
+            judges += [(f"first unless beaten by {k:g} SE", lambda r, k=k: judged_with_margin(r, modes, k))
+                       for k in MARGINS]
+            for name, judge in judges:
+                kept = [judge(r) for r in rows]
+                lines.append(f"| {fraction:.0%} | {','.join(modes)} | {name} | "
+                             + " | ".join(f"{geomean([r['modes'][k]['eval'][n]['ratio'] for r, k in zip(rows, kept)]):.3f}x"
+                                          for n in order) + f" | {', '.join(kept)} |")
     return "\n".join(lines)
 
 

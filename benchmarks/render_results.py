@@ -161,18 +161,30 @@ def general_prose_section(doc: dict) -> str:
     ])
 
 
+def _seed_span(seeds: list[int]) -> str:
+    """`0-5` for consecutive seeds, else `0, 2, 7`."""
+    if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
 def allocation_section(doc: dict) -> str:
     from bench_allocation import render
 
     st = doc["settings"]
     return "\n".join([
-        "### How many heads each layer loses, per calibration sample (`--normalize`): SmolLM2-135M, no training",
+        "### How many heads each layer loses, per calibration sample (`--normalize`): SmolLM2-135M, samples "
+        f"{_seed_span(st['seeds'])}, no training",
         "",
         "Each `--normalize` mode pruned alone at prune's defaults on "
         f"{st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`): the judge's loss (the "
         "64 blocks of self text the calibration did not read, on which a list of modes keeps the lowest) and "
         "the out-of-domain ratios as above. `auto` (the default: `layer,none`) keeps the row marked so; "
-        "`layer,geometric,none`, the bold one. The geometric means compare what each keeps over the samples.",
+        "`layer,geometric,none`, the bold one. The geometric means compare what each keeps over the samples. "
+        "The judge's loss of every other mode carries its paired difference from the one `auto` kept (the same "
+        "64 blocks, block by block) and that difference's standard error. The second table judges the same "
+        "prunes by rules that need a margin: the first mode of the list is kept unless a later one's loss is "
+        "lower than the one kept so far by more than 1 or 2 standard errors.",
         "",
         render(doc),
         "",

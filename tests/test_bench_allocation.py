@@ -46,3 +46,29 @@ def test_the_table_marks_what_each_list_keeps_and_averages_them():
     assert "| 50% | geometric mean of 2 | auto (layer,none) | | **1.518x** | |" in table  # sqrt(1.6 * 1.44)
     assert "| 50% | geometric mean of 2 | layer,geometric,none | | **1.470x** | |" in table  # sqrt(1.5 * 1.44)
     assert "| 50% | geometric mean of 2 | layer alone | | **1.800x** | |" in table
+
+
+def test_a_judge_with_a_margin_keeps_the_first_mode_unless_another_wins_by_it():
+    """The same prunes judged by rules that need a margin: a clear win (3 standard errors of the paired
+    difference) changes the pick at 1 and 2 SE, a win within the noise does not; the margin table
+    shows each rule's picks and geometric means."""
+    from bench_allocation import judged_with_margin, margin_table, render
+
+    def mode(sums, news):
+        return {"judge_loss": sum(sums) / 20, "judge_block_sums": sums, "removed_per_layer": [1, 2],
+                "eval": {"news": {"ratio": news}}}
+    clear = {"seed": 0, "fraction": 0.5, "heads_removed": 135, "auto": "none", "three": "none",
+             "judge_block_weights": [10.0, 10.0],
+             "modes": {"layer": mode([30.0, 30.0], 1.8), "geometric": mode([30.0, 30.2], 1.7),
+                       "none": mode([29.0, 29.5], 1.5)}}
+    noisy = {**clear, "seed": 1, "modes": {**clear["modes"], "none": mode([28.0, 31.5], 1.6)}}
+    assert [judged_with_margin(clear, ("layer", "none"), k) for k in (0, 1, 2, 3.5)] == \
+        ["none", "none", "none", "layer"]  # -0.075 ± 0.025
+    assert [judged_with_margin(noisy, ("layer", "none"), k) for k in (0, 1)] == ["none", "layer"]  # -0.025 ± 0.175
+    doc = {"order": ["news"], "domains": {"news": {"label": "news (Lee corpus)"}},
+           "settings": {"fractions": [0.5], "modes": ["layer", "geometric", "none"]}, "rows": [clear, noisy]}
+    table = margin_table(doc)
+    assert "| 50% | layer,none | lowest loss (prune's rule) | 1.549x | none, none |" in table  # sqrt(1.5 * 1.6)
+    assert "| 50% | layer,none | first unless beaten by 1 SE | 1.643x | none, layer |" in table  # sqrt(1.5 * 1.8)
+    assert table in render(doc)
+    assert "| 50% (135) | 0 | layer | 3.0000 (+0.0750 ± 0.0250) | 1.800x | 1, 2 |" in render(doc)

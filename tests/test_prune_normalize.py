@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -105,7 +106,7 @@ def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src
     assert doc["eval_data"]["skip_samples"] == 8  # after the calibration blocks
     label = {"layer": "per-layer normalized scores", "none": "raw scores"}[alloc["normalize"]]
     assert f"heads per layer from {label} (--normalize {alloc['normalize']}): held-out loss" in r.stderr
-    assert f"({ALLOCATION_BLOCKS} blocks of self text)" in " ".join(r.stderr.split())
+    assert f"({ALLOCATION_BLOCKS} blocks of self text; ± one standard error" in " ".join(r.stderr.split())
     assert "Layer allocation: heads per layer from" in (tmp_path / "cmp" / "README.md").read_text()
     one = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", alloc["normalize"],
                "--eval-data", "builtin:pydoc", "--eval-samples", 2, "-o", tmp_path / "one",
@@ -124,6 +125,27 @@ def test_the_compared_prune_writes_the_candidate_with_the_lower_heldout_loss(src
     assert held == pytest.approx(cands[alloc["normalize"]]["heldout_loss"], rel=1e-5)
     assert loss(lm.model, "builtin:pydoc", 8, 2) == pytest.approx(doc["eval"]["after"]["loss"], rel=1e-5)
     assert loss(orig.model, "builtin:pydoc", 8, 2) == pytest.approx(doc["eval"]["before"]["loss"], rel=1e-5)
+
+
+def test_every_other_allocation_records_its_paired_difference_from_the_chosen_one(src, tmp_path):
+    """How much higher each other candidate's held-out loss was than the chosen one's, with the standard
+    error of that difference over the blocks (per-block losses of both models on the same blocks), in
+    headtool.json and in the allocation line: whether the choice was clear or a close call."""
+    r = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", "layer,geometric,none",
+             "-o", tmp_path / "p", "--json")
+    assert r.exit_code == 0, r.stderr
+    alloc = json.loads(r.stdout)["allocation"]
+    cands = {c["normalize"]: c for c in alloc["candidates"]}
+    chosen = cands[alloc["normalize"]]
+    assert "difference" not in chosen and "standard_error" not in chosen
+    others = [c for m, c in cands.items() if c["removed_per_layer"] != chosen["removed_per_layer"]]
+    assert others  # the tiny model's three allocations are not all the same
+    for c in others:
+        assert c["difference"] == pytest.approx(c["heldout_loss"] - chosen["heldout_loss"], abs=1e-6)
+        assert c["difference"] >= 0 and 0 < c["standard_error"] < math.inf
+        assert f"{c['heldout_loss']:.4f} ({c['difference']:+.4f} ± {c['standard_error']:.4f})" in \
+            " ".join(r.stderr.split())
+    assert "± one standard error of the paired difference" in " ".join(r.stderr.split())
 
 
 def test_allocations_are_compared_on_self_text_the_calibration_and_evaluation_did_not_read():

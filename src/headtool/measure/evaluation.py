@@ -14,10 +14,18 @@ from .objectives import model_output, token_losses
 
 
 @torch.no_grad()
-def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "eval") -> dict[str, Any]:
-    """Mean loss over weighted positions (and perplexity / accuracy) on `batches`."""
+def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "eval",
+             per_block: bool = False) -> dict[str, Any]:
+    """Mean loss over weighted positions (and perplexity / accuracy) on `batches`.
+
+    With `per_block`, also every block's (row's) summed loss and weight (`block_sums`,
+    `block_weights`, in batch order): what a paired comparison of two models on the same blocks
+    needs (`paired_difference`).
+    """
     device = next(model.parameters()).device
     total, weight, correct, count = 0.0, 0.0, 0, 0
+    block_sums: list[float] = []
+    block_weights: list[float] = []
     t0 = time.perf_counter()
     with progress() as bar:
         task = bar.add_task(label, total=len(batches), rate="")
@@ -31,6 +39,9 @@ def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "ev
                 raise HeadtoolError(f"{label}: the loss is not finite on batch {i}; try --dtype float32")
             total += s
             weight += float(w.sum())
+            if per_block:
+                block_sums += (losses * w).sum(-1).double().tolist()
+                block_weights += w.sum(-1).double().tolist()
             if objective == "classification":
                 correct += int((logits.argmax(-1).view(-1) == b["labels"].view(-1)).sum())
                 count += b["labels"].numel()
@@ -45,7 +56,31 @@ def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "ev
     if objective == "classification":
         out["accuracy"] = correct / max(count, 1)
         out["examples"] = count
+    if per_block:
+        out["block_sums"], out["block_weights"] = block_sums, block_weights
     return out
+
+
+def paired_difference(sums_a: Sequence[float], sums_b: Sequence[float],
+                      weights: Sequence[float]) -> tuple[float, float]:
+    """Mean loss of A minus mean loss of B over the same blocks, and its standard error.
+
+    The blocks are the sampling unit (tokens within a block are not independent): the
+    difference is a ratio estimator, sum(a - b) / sum(w), whose variance is estimated from the
+    per-block residuals (a_i - b_i) - w_i * difference. Two models judged on the same blocks share
+    most of their per-block variation, so this error is far smaller than either mean's.
+    """
+    n = len(weights)
+    if not (len(sums_a) == len(sums_b) == n) or n == 0:
+        raise ValueError("a paired difference needs the same, non-empty blocks for both")
+    total_w = float(sum(weights))
+    d = [a - b for a, b in zip(sums_a, sums_b)]
+    diff = sum(d) / max(total_w, 1e-30)
+    if n < 2:
+        return diff, math.inf
+    resid = sum((di - wi * diff) ** 2 for di, wi in zip(d, weights))
+    se = math.sqrt(n / (n - 1) * resid) / max(total_w, 1e-30)
+    return diff, se
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
 from ..io.provenance import RECORD, fitted_on, read_entries, written_record
 from ..io.sizes import parse_size
-from ..measure.evaluation import evaluate
+from ..measure.evaluation import evaluate, paired_difference
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import read_scores
 from ..measure.scoring import DATA_METHODS, ScoreResult, normalize_scores, score_heads
@@ -247,12 +247,15 @@ def _per_layer(selection: Selection, geometry) -> list[int]:
 
 def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, held: Sequence[dict],
                      eval_batches, objective: str, compared_on: dict) -> PruneResult:
-    """Prune with every candidate selection and keep the lowest loss on the held-out blocks: the
-    earlier candidates on copies that share all but the attention (`trial_copy`), the last in place;
-    lm.model is the winner afterwards."""
+    """Prune with every candidate selection and keep the lowest loss on the held-out blocks (the first
+    on a tie): the earlier candidates on copies that share all but the attention (`trial_copy`), the
+    last in place; lm.model is the winner afterwards. Every other candidate records how much higher its
+    loss was, with the standard error of that paired difference over the blocks: whether the choice
+    was clear or within the judge's noise."""
     geometry = lm.geometry
     eval_before = evaluate(lm.model, eval_batches, objective, label="eval") if eval_batches else None
     rows: list[dict] = []
+    verdicts: dict[str, dict] = {}
     best: tuple[float, str, PruneResult, Any] | None = None
     groups: dict[tuple, list[str]] = {}
     for mode, sel in candidates.items():
@@ -262,13 +265,20 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
         trial = lm if i == len(distinct) - 1 else replace(lm, model=trial_copy(lm.model, lm.adapter))
         info(f"layer allocation: heads per layer from {' = '.join(map(normalization_label, modes))}")
         result = run(trial, candidates[modes[0]], None)
-        loss = evaluate(trial.model, held, objective, label=f"held-out {modes[0]}")["loss"]
-        rows += [{"normalize": m, "removed_per_layer": _per_layer(candidates[m], geometry), "heldout_loss": loss}
-                 for m in modes]
-        if best is None or loss < best[0]:
-            best = (loss, modes[0], result, trial.model)
+        verdict = evaluate(trial.model, held, objective, label=f"held-out {modes[0]}", per_block=True)
+        verdicts.update({m: verdict for m in modes})
+        rows += [{"normalize": m, "removed_per_layer": _per_layer(candidates[m], geometry),
+                  "heldout_loss": verdict["loss"]} for m in modes]
+        if best is None or verdict["loss"] < best[0]:
+            best = (verdict["loss"], modes[0], result, trial.model)
         del trial, result
     _, mode, result, model = best
+    chosen = verdicts[mode]
+    for row in rows:
+        if verdicts[row["normalize"]] is not chosen:
+            diff, se = paired_difference(verdicts[row["normalize"]]["block_sums"], chosen["block_sums"],
+                                         chosen["block_weights"])
+            row.update({"difference": diff, "standard_error": se})
     lm.model = model
     if eval_batches:
         result.eval_before = eval_before
