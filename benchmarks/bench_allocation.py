@@ -30,7 +30,7 @@ from headtool.data.batches import make_batches  # noqa: E402
 from headtool.measure.evaluation import evaluate, paired_difference  # noqa: E402
 from headtool.model.loading import model_from_object  # noqa: E402
 from headtool.workflows.data_plan import allocation_spec  # noqa: E402
-from headtool.workflows.prune import prune_loaded  # noqa: E402
+from headtool.workflows.prune import prune_loaded, undercuts  # noqa: E402
 from headtool.workflows.requests import PruneRequest, ScoreRequest  # noqa: E402
 from headtool.workflows.score import score_loaded  # noqa: E402
 
@@ -54,12 +54,16 @@ def paired(row: dict, mode: str, against: str) -> tuple[float, float]:
 
 
 def judged_with_margin(row: dict, modes: tuple[str, ...], margin: float) -> str:
-    """A judge that knows its noise: the first mode is kept unless a later one's loss is lower than the
-    one kept so far by more than `margin` standard errors of their paired difference."""
+    """What `prune --normalize <modes> --allocation-margin <margin>` keeps (prune's own rule): the first
+    mode unless a later one's loss is lower than the one kept so far by more than `margin` standard
+    errors of their paired difference."""
+    def verdict(mode: str) -> dict:
+        m = row["modes"][mode]
+        return {"loss": m["judge_loss"], "block_sums": m["judge_block_sums"],
+                "block_weights": row["judge_block_weights"]}
     kept = modes[0]
     for mode in modes[1:]:
-        diff, se = paired(row, mode, kept)
-        if -diff > margin * se:
+        if undercuts(verdict(mode), verdict(kept), margin):
             kept = mode
     return kept
 
@@ -149,8 +153,8 @@ def _gap(row: dict, mode: str) -> str:
 
 def margin_table(doc: dict) -> str:
     """What judges that need a margin would have kept, from the same prunes: per fraction and list of
-    modes, the lowest loss (prune's rule) and the first mode unless a later one wins by 1 or 2 standard
-    errors; geometric means over the samples and the mode kept per sample."""
+    modes, the lowest loss (the default) and `--allocation-margin` 1 and 2 (the first mode unless a later
+    one wins by that many standard errors); geometric means over the samples, the mode kept per sample."""
     order = doc["order"]
     labels = [doc["domains"][n].get("label", n) for n in order]
     lines = ["| removed | `--normalize` | judge | " + " | ".join(labels) + " | kept, sample by sample |",
@@ -158,9 +162,9 @@ def margin_table(doc: dict) -> str:
     for fraction in doc["settings"]["fractions"]:
         rows = [r for r in doc["rows"] if r["fraction"] == fraction]
         for modes in (AUTO, MODES):
-            judges = [("lowest loss (prune's rule)", lambda r: judged({m: v["judge_loss"] for m, v in
-                                                                       r["modes"].items()}, modes))]
-            judges += [(f"first unless beaten by {k:g} SE", lambda r, k=k: judged_with_margin(r, modes, k))
+            judges = [("lowest loss (the default)", lambda r: judged({m: v["judge_loss"] for m, v in
+                                                                      r["modes"].items()}, modes))]
+            judges += [(f"`--allocation-margin {k:g}`", lambda r, k=k: judged_with_margin(r, modes, k))
                        for k in MARGINS]
             for name, judge in judges:
                 kept = [judge(r) for r in rows]

@@ -183,8 +183,8 @@ def allocation_section(doc: dict) -> str:
         "`layer,geometric,none`, the bold one. The geometric means compare what each keeps over the samples. "
         "The judge's loss of every other mode carries its paired difference from the one `auto` kept (the same "
         "64 blocks, block by block) and that difference's standard error. The second table judges the same "
-        "prunes by rules that need a margin: the first mode of the list is kept unless a later one's loss is "
-        "lower than the one kept so far by more than 1 or 2 standard errors.",
+        "prunes as `--allocation-margin` 1 and 2 would: the first mode of the list is kept unless a later "
+        "one's loss is lower than the one kept so far by more than 1 or 2 standard errors.",
         "",
         render(doc),
         "",

@@ -68,7 +68,7 @@ def test_a_judge_with_a_margin_keeps_the_first_mode_unless_another_wins_by_it():
     doc = {"order": ["news"], "domains": {"news": {"label": "news (Lee corpus)"}},
            "settings": {"fractions": [0.5], "modes": ["layer", "geometric", "none"]}, "rows": [clear, noisy]}
     table = margin_table(doc)
-    assert "| 50% | layer,none | lowest loss (prune's rule) | 1.549x | none, none |" in table  # sqrt(1.5 * 1.6)
-    assert "| 50% | layer,none | first unless beaten by 1 SE | 1.643x | none, layer |" in table  # sqrt(1.5 * 1.8)
+    assert "| 50% | layer,none | lowest loss (the default) | 1.549x | none, none |" in table  # sqrt(1.5 * 1.6)
+    assert "| 50% | layer,none | `--allocation-margin 1` | 1.643x | none, layer |" in table  # sqrt(1.5 * 1.8)
     assert table in render(doc)
     assert "| 50% (135) | 0 | layer | 3.0000 (+0.0750 ± 0.0250) | 1.800x | 1, 2 |" in render(doc)

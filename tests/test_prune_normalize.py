@@ -148,6 +148,32 @@ def test_every_other_allocation_records_its_paired_difference_from_the_chosen_on
     assert "± one standard error of the paired difference" in " ".join(r.stderr.split())
 
 
+def test_a_margin_keeps_the_first_mode_unless_a_later_one_wins_by_it(src, tmp_path):
+    """--allocation-margin K: a later mode replaces the one kept so far only when its held-out loss is
+    lower by more than K standard errors of the paired difference; no difference clears a huge margin,
+    so the first mode is kept in either order; 0 (the default) keeps the lowest loss, as without it."""
+    def allocation(order: str, *margin) -> dict:
+        r = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", order, *margin,
+                 "-o", tmp_path / f"{order}{margin}", "--json")
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout)["allocation"]
+
+    free = allocation("layer,none")
+    losses = {c["normalize"]: c["heldout_loss"] for c in free["candidates"]}
+    assert free["normalize"] == min(losses, key=losses.get) and free["margin_standard_errors"] == 0
+    assert allocation("layer,none", "--allocation-margin", 0)["normalize"] == free["normalize"]
+    for order in ("layer,none", "none,layer"):
+        strict = allocation(order, "--allocation-margin", 1e6)
+        assert strict["normalize"] == order.split(",")[0] and strict["margin_standard_errors"] == 1e6
+
+
+@pytest.mark.parametrize("args", [["--normalize", "layer"], []])
+def test_a_margin_without_a_comparison_is_one_line(src, tmp_path, args):
+    r = _run("prune", src, *COMMON, "--fraction", 0.5, *args, "--allocation-margin", 1, "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "--allocation-margin weighs a comparison of normalizations" in r.stderr
+    assert "Traceback" not in r.output and not (tmp_path / "x").exists()
+
+
 def test_allocations_are_compared_on_self_text_the_calibration_and_evaluation_did_not_read():
     """64 blocks of self text after every self block the calibration (and an evaluation on self text)
     read; a model that cannot sample compares on a quarter of the calibration's source after it, and

@@ -185,7 +185,8 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         cspec = data.compare_spec
         compared_on = {"source": cspec.source, "skip_samples": cspec.skip_samples, "seed": cspec.seed}
         result = _best_allocation(lm, candidates, run, data.compare_batches, data.eval_batches,
-                                  resolve_objective(req.objective, lm.task, None), compared_on)
+                                  resolve_objective(req.objective, lm.task, None), compared_on,
+                                  req.allocation_margin)
     else:
         result = run(lm, selection)
         if candidates and next(iter(candidates)) is not None:
@@ -246,17 +247,18 @@ def _per_layer(selection: Selection, geometry) -> list[int]:
 
 
 def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, held: Sequence[dict],
-                     eval_batches, objective: str, compared_on: dict) -> PruneResult:
-    """Prune with every candidate selection and keep the lowest loss on the held-out blocks (the first
-    on a tie): the earlier candidates on copies that share all but the attention (`trial_copy`), the
-    last in place; lm.model is the winner afterwards. Every other candidate records how much higher its
-    loss was, with the standard error of that paired difference over the blocks: whether the choice
-    was clear or within the judge's noise."""
+                     eval_batches, objective: str, compared_on: dict, margin: float = 0.0) -> PruneResult:
+    """Prune with every candidate selection and keep the first unless a later one does better on the
+    held-out blocks: a lower loss than the one kept so far, by more than `margin` standard errors of
+    their paired (same-block) difference (0: the lowest loss, the first on a tie). The earlier
+    candidates run on copies that share all but the attention (`trial_copy`), the last in place;
+    lm.model is the winner afterwards. Every other candidate records how much higher its loss was than
+    the kept one's, with the standard error of that difference: a clear choice or a close call."""
     geometry = lm.geometry
     eval_before = evaluate(lm.model, eval_batches, objective, label="eval") if eval_batches else None
     rows: list[dict] = []
     verdicts: dict[str, dict] = {}
-    best: tuple[float, str, PruneResult, Any] | None = None
+    kept: tuple[str, PruneResult, Any] | None = None  # mode, its result, its model
     groups: dict[tuple, list[str]] = {}
     for mode, sel in candidates.items():
         groups.setdefault(sel.kept, []).append(mode)
@@ -269,10 +271,10 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
         verdicts.update({m: verdict for m in modes})
         rows += [{"normalize": m, "removed_per_layer": _per_layer(candidates[m], geometry),
                   "heldout_loss": verdict["loss"]} for m in modes]
-        if best is None or verdict["loss"] < best[0]:
-            best = (verdict["loss"], modes[0], result, trial.model)
+        if kept is None or undercuts(verdict, verdicts[kept[0]], margin):
+            kept = (modes[0], result, trial.model)
         del trial, result
-    _, mode, result, model = best
+    mode, result, model = kept
     chosen = verdicts[mode]
     for row in rows:
         if verdicts[row["normalize"]] is not chosen:
@@ -284,9 +286,20 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
         result.eval_before = eval_before
         result.eval_after = evaluate(model, eval_batches, objective, label="eval")
     result.allocation = {"normalize": mode, "heldout_blocks": sum(len(b["input_ids"]) for b in held),
-                         "compared_on": compared_on, "candidates": rows}
+                         "compared_on": compared_on, "margin_standard_errors": margin, "candidates": rows}
     info(result.allocation_line())
     return result
+
+
+def undercuts(verdict: dict, kept: dict, margin: float) -> bool:
+    """A lower held-out loss than the kept candidate's, by more than `margin` standard errors of the
+    paired difference (with no margin, any lower loss: the rule before margins existed, to the bit)."""
+    if not verdict["loss"] < kept["loss"]:
+        return False
+    if margin == 0:
+        return True
+    diff, se = paired_difference(verdict["block_sums"], kept["block_sums"], verdict["block_weights"])
+    return -diff > margin * se
 
 
 def _reads_data(req: PruneRequest, scores: ScoreResult | list[list[float]] | None) -> bool:

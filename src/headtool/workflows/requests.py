@@ -173,6 +173,10 @@ class PruneRequest:
     objective: str = option("auto", "auto | lm | mlm | classification | kl (scoring and --eval-data)",
                             choices=OBJECTIVES, panel=_H)
     normalize: str = option("auto", NORMALIZE_HELP, choices=NORMALIZATIONS, multiple=True, panel=_H)
+    allocation_margin: float = option(0.0, "when --normalize compares modes: keep the first unless a later one's "
+                                      "held-out loss is lower than the one kept so far by more than this many "
+                                      "standard errors of their paired per-block difference (0: the lowest loss)",
+                                      min=0, panel=_H)
     fraction: float | None = option(None, "fraction of query heads to remove, in (0, 1)", above=0, below=1,
                                     panel=_T)
     num_heads: int | None = option(None, "number of query heads to remove", min=1, panel=_T)
@@ -219,6 +223,12 @@ class PruneRequest:
 
     def validate(self) -> None:
         _check_with_anchor(self)
+        from ..errors import UsageError
+
+        compares = "," in self.normalize or (self.normalize == "auto" and self.compensate)
+        if self.allocation_margin and not compares:
+            raise UsageError("--allocation-margin weighs a comparison of normalizations: give --normalize with "
+                             "several modes (or auto with --compensate)")
 
 
 @dataclass(frozen=True)
