@@ -112,3 +112,24 @@ def test_the_demo_description_says_what_its_steps_do():
             assert ("held-out" in part) == bool(data.get("skip_samples")), part
             assert data.get("source", recipe.values["data"]["source"]) in part, part
     assert f"calibrated on {recipe.values['data']['source']}" in parts[-1]
+
+
+def test_a_step_is_checked_as_its_command_checks_it_before_the_model_loads(tmp_path):
+    """Combinations of keys a schema of single keys cannot see (a margin with nothing compared, a bad
+    anchor) are the command's own usage errors, listed with the step's location by `run` and
+    `run --check`, before the model loads."""
+    from typer.testing import CliRunner
+
+    from headtool.cli import app
+
+    p = tmp_path / "r.yaml"
+    p.write_text("model: smollm2-135m\ndata: {source: builtin:pydoc, max_samples: 4}\nsteps:\n"
+                 "  - prune: {fraction: 0.3, normalize: layer, allocation_margin: 1}\n"
+                 "  - prune: {fraction: 0.1, compensate: true, anchor: sideways}\n"
+                 "  - prune: {fraction: 0.1, compensate: true, normalize: 'layer,none', allocation_margin: 1}\n")
+    for args in (["run", str(p), "--check"], ["run", str(p), "-o", str(tmp_path / "out")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and "has 2 problem(s)" in r.stderr, r.output
+        assert f"{p}:4:" in r.stderr and "steps.0 (prune): --allocation-margin weighs a comparison" in r.stderr
+        assert f"{p}:5:" in r.stderr and "steps.1 (prune): --anchor 'sideways'" in r.stderr
+        assert "Traceback" not in r.output and not (tmp_path / "out").exists()

@@ -260,10 +260,29 @@ def summary_row(step: str, figures: dict, info: dict, seconds: float) -> dict[st
             **({"kv_rank": info["kv_rank"], "rope_dim": info["rope_dim"]} if "kv_rank" in info else {}), **figures}
 
 
+def validate_whole(recipe: Recipe) -> None:
+    """The recipe's keys (recipe_schema.validate), then each step's request as its command checks it."""
+    validate(recipe)
+    check_requests(recipe)
+
+
+def check_requests(recipe: Recipe) -> None:
+    """Each step's request checked as its command checks it (`validate()`: combinations of options a
+    schema of single keys cannot see), every problem in one UsageError, before the model loads."""
+    problems = []
+    for i, step in enumerate(recipe.steps):
+        try:
+            build_request(recipe, step).validate()
+        except UsageError as e:
+            problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i} ({step['step']}): {e}")
+    if problems:
+        raise UsageError(f"recipe {recipe.path} has {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
 def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | None = None,
                on_step=None) -> dict[str, Any]:
     """Validate `recipe` whole, then run its steps; returns the summary (and writes the output)."""
-    validate(recipe)
+    validate_whole(recipe)
     v = recipe.values
     out = output or v.get("output")
     ow = bool(v.get("overwrite")) if overwrite is None else overwrite

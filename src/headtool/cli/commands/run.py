@@ -57,18 +57,13 @@ def run_cmd(
     Example: headtool run recipes/prune-gqa-compensated.yaml --set steps.1.fraction=0.3 -o out/
     """
     from ...console import info, print_json
-    from ...workflows.recipe_runner import run_recipe
-    from ...workflows.recipe_schema import (
-        apply_overrides,
-        load_recipe,
-        resolved,
-        validate,
-    )
+    from ...workflows.recipe_runner import run_recipe, validate_whole
+    from ...workflows.recipe_schema import apply_overrides, load_recipe, resolved
 
     r = load_recipe(recipe)
     apply_overrides(r, list(set_ or []))
     if check:
-        validate(r)
+        validate_whole(r)
         info(f"{recipe}: valid ({len(r.steps)} steps)")
         if json_out:
             print_json(resolved(r))
