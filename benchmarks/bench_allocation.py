@@ -42,25 +42,21 @@ AUTO = ("layer", "none")  # what `--normalize auto` compares
 MARGINS = (1.0, 2.0)  # the judges with a margin the table also shows (standard errors of the paired difference)
 
 
-def judged(losses: dict[str, float], modes: tuple[str, ...]) -> str:
-    """The mode a list of `modes` keeps: the lowest judge loss, the first on a tie (as prune does)."""
-    return min(modes, key=lambda m: (losses[m], modes.index(m)))
-
-
 def paired(row: dict, mode: str, against: str) -> tuple[float, float]:
     """The judge loss of `mode` minus that of `against` on the same blocks, and its standard error."""
     return paired_difference(row["modes"][mode]["judge_block_sums"], row["modes"][against]["judge_block_sums"],
                              row["judge_block_weights"])
 
 
-def judged_with_margin(row: dict, modes: tuple[str, ...], margin: float) -> str:
-    """What `prune --normalize <modes> --allocation-margin <margin>` keeps (prune's own rule): the first
-    mode unless a later one's loss is lower than the one kept so far by more than `margin` standard
-    errors of their paired difference."""
+def judged(row: dict, modes: tuple[str, ...], margin: float = 0.0) -> str:
+    """What `prune --normalize <modes> --allocation-margin <margin>` keeps, by prune's own rule
+    (`undercuts`): the first mode unless a later one's judge loss is lower than the one kept so far by
+    more than `margin` standard errors of their paired difference; with no margin, the lowest loss, the
+    first on a tie (block losses are read only for a margin)."""
     def verdict(mode: str) -> dict:
         m = row["modes"][mode]
-        return {"loss": m["judge_loss"], "block_sums": m["judge_block_sums"],
-                "block_weights": row["judge_block_weights"]}
+        return {"loss": m["judge_loss"], "block_sums": m.get("judge_block_sums"),
+                "block_weights": row.get("judge_block_weights")}
     kept = modes[0]
     for mode in modes[1:]:
         if undercuts(verdict(mode), verdict(kept), margin):
@@ -103,8 +99,7 @@ def main() -> None:
                     "prune_seconds": round(prune_s, 1)}
                 run.clock.log(f"seed {seed} {fraction:.0%} {mode}: judge {row['modes'][mode]['judge_loss']:.4f}, " + " / ".join(
                     f"{n} {r['ratio']:.3f}x" for n, r in row["modes"][mode]["eval"].items()))
-            losses = {m: v["judge_loss"] for m, v in row["modes"].items()}
-            row["auto"], row["three"] = judged(losses, AUTO), judged(losses, MODES)
+            row["auto"], row["three"] = judged(row, AUTO), judged(row, MODES)
             doc["rows"].append(row)
             run.save(doc)
     print(render(doc))
@@ -162,10 +157,8 @@ def margin_table(doc: dict) -> str:
     for fraction in doc["settings"]["fractions"]:
         rows = [r for r in doc["rows"] if r["fraction"] == fraction]
         for modes in (AUTO, MODES):
-            judges = [("lowest loss (the default)", lambda r: judged({m: v["judge_loss"] for m, v in
-                                                                      r["modes"].items()}, modes))]
-            judges += [(f"`--allocation-margin {k:g}`", lambda r, k=k: judged_with_margin(r, modes, k))
-                       for k in MARGINS]
+            judges = [("lowest loss (the default)", lambda r: judged(r, modes))]
+            judges += [(f"`--allocation-margin {k:g}`", lambda r, k=k: judged(r, modes, k)) for k in MARGINS]
             for name, judge in judges:
                 kept = [judge(r) for r in rows]
                 lines.append(f"| {fraction:.0%} | {','.join(modes)} | {name} | "

@@ -23,9 +23,11 @@ def test_the_bench_judges_as_prune_does():
         req = PruneRequest(model="m", fraction=0.25, compensate=True, data=spec, normalize=normalize)
         return tuple(normalizations(req, scored, spec, "causal-lm"))
     assert modes("auto") == AUTO and modes(",".join(MODES)) == MODES
-    losses = {"layer": 3.2, "geometric": 3.1, "none": 3.15}
+    def row(**losses) -> dict:
+        return {"modes": {m: {"judge_loss": v} for m, v in losses.items()}}
+    losses = row(layer=3.2, geometric=3.1, none=3.15)
     assert judged(losses, MODES) == "geometric" and judged(losses, AUTO) == "none"
-    assert judged({"layer": 3.1, "geometric": 3.1, "none": 3.1}, MODES) == "layer"  # a tie keeps the first
+    assert judged(row(layer=3.1, geometric=3.1, none=3.1), MODES) == "layer"  # a tie keeps the first
 
 
 def test_the_table_marks_what_each_list_keeps_and_averages_them():
@@ -52,7 +54,7 @@ def test_a_judge_with_a_margin_keeps_the_first_mode_unless_another_wins_by_it():
     """The same prunes judged by rules that need a margin: a clear win (3 standard errors of the paired
     difference) changes the pick at 1 and 2 SE, a win within the noise does not; the margin table
     shows each rule's picks and geometric means."""
-    from bench_allocation import judged_with_margin, margin_table, render
+    from bench_allocation import judged, margin_table, render
 
     def mode(sums, news):
         return {"judge_loss": sum(sums) / 20, "judge_block_sums": sums, "removed_per_layer": [1, 2],
@@ -62,9 +64,9 @@ def test_a_judge_with_a_margin_keeps_the_first_mode_unless_another_wins_by_it():
              "modes": {"layer": mode([30.0, 30.0], 1.8), "geometric": mode([30.0, 30.2], 1.7),
                        "none": mode([29.0, 29.5], 1.5)}}
     noisy = {**clear, "seed": 1, "modes": {**clear["modes"], "none": mode([28.0, 31.5], 1.6)}}
-    assert [judged_with_margin(clear, ("layer", "none"), k) for k in (0, 1, 2, 3.5)] == \
+    assert [judged(clear, ("layer", "none"), k) for k in (0, 1, 2, 3.5)] == \
         ["none", "none", "none", "layer"]  # -0.075 ± 0.025
-    assert [judged_with_margin(noisy, ("layer", "none"), k) for k in (0, 1)] == ["none", "layer"]  # -0.025 ± 0.175
+    assert [judged(noisy, ("layer", "none"), k) for k in (0, 1)] == ["none", "layer"]  # -0.025 ± 0.175
     doc = {"order": ["news"], "domains": {"news": {"label": "news (Lee corpus)"}},
            "settings": {"fractions": [0.5], "modes": ["layer", "geometric", "none"]}, "rows": [clear, noisy]}
     table = margin_table(doc)

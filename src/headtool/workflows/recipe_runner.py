@@ -40,7 +40,7 @@ from .convert_mla import convert_mla_loaded, latent_target
 from .evaluate import eval_loaded
 from .heal import heal_loaded
 from .prune import prune_loaded, prune_target
-from .recipe_schema import STEP_REQUESTS, Recipe, resolved, step_data, step_options, validate
+from .recipe_schema import STEP_REQUESTS, Recipe, raise_problems, resolved, step_data, step_options, validate
 from .score import score_loaded
 
 @dataclasses.dataclass
@@ -125,8 +125,7 @@ def check_geometry(ctx: Context) -> None:
                 geometry = [dataclasses.replace(g, num_kv_heads=int(step["kv_heads"])) for g in geometry]
         except UsageError as e:
             problems.append(f"{where}: {e}")
-    if problems:
-        raise UsageError(f"recipe {ctx.recipe.path} has {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    raise_problems(ctx.recipe, problems)
 
 
 # --------------------------------------------------------------------------- steps
@@ -275,8 +274,7 @@ def check_requests(recipe: Recipe) -> None:
             build_request(recipe, step).validate()
         except UsageError as e:
             problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i} ({step['step']}): {e}")
-    if problems:
-        raise UsageError(f"recipe {recipe.path} has {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    raise_problems(recipe, problems)
 
 
 def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | None = None,

@@ -269,6 +269,11 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
                 problems.append(f"{recipe.where(where)}: {where}.{key}: required")
     if geometry_check is not None and not problems:
         geometry_check(recipe, problems)
+    raise_problems(recipe, problems)
+
+
+def raise_problems(recipe: Recipe, problems: list[str]) -> None:
+    """One UsageError listing every problem of the recipe, one per line (nothing when there are none)."""
     if problems:
         raise UsageError(f"recipe {recipe.path} has {len(problems)} problem(s):\n  " + "\n  ".join(problems))
 
