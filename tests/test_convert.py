@@ -192,6 +192,18 @@ def test_native_gqa_to_mqa_and_compare_methods(tmp_path):
     assert [x["method"] for x in doc["results"]] == ["mean", "aligned", "fit"]
     held = {x["method"]: x["heldout_loss"] for x in doc["results"]}
     assert doc["chosen"] == min(held, key=held.get)  # chosen on held-out calibration blocks, never on eval
+    # every other method records how far its held-out loss was above the written one's, paired over
+    # the same blocks: the gap is the loss difference (float32 sums per block and per batch), with a
+    # standard error; the model card and the table say it
+    for x in doc["results"]:
+        if x["method"] == doc["chosen"]:
+            assert "difference" not in x and "standard_error" not in x
+        else:
+            assert x["difference"] == pytest.approx(x["heldout_loss"] - held[doc["chosen"]], rel=1e-4, abs=1e-6)
+            assert x["difference"] >= 0 and 0 < x["standard_error"] < float("inf")
+    card = (out / "README.md").read_text()
+    assert f"Held-out loss of `{doc['chosen']}`" in card and "paired difference" in card
+    assert "(+gap ± se)" in r.stderr and "held-out loss above the written" in r.stderr
     assert all("loss" in x["eval"] for x in doc["results"])
     # no --data: auto, i.e. builtin:pydoc mixed with text sampled from this causal LM; the evaluation
     # on builtin:pydoc starts after the pydoc blocks the calibration and held-out blocks read

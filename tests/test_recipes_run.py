@@ -85,6 +85,23 @@ def test_recipe_with_a_heal_step(tiny_folders, tmp_path):
     assert (tmp_path / "out" / "headtool.json").exists()
 
 
+def test_convert_step_records_how_close_the_merges_were(tiny_folders, tmp_path):
+    """A convert_gqa step with several merges reports each held-out loss and, for the merges it did
+    not keep, the paired gap to the kept one (as convert-gqa's summary does)."""
+    r = tmp_path / "merge.yaml"
+    r.write_text(f"model: {tiny_folders['decoder']}\ndtype: float32\nseed: 0\n"
+                 "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 8}\n"
+                 "steps:\n  - convert_gqa: {kv_heads: 1, merge: 'mean,fit'}\n")
+    res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    step = json.loads(res.stdout)["steps"][1]
+    losses, kept = step["heldout_loss"], step["merge"]
+    (other,) = set(losses) - {kept}
+    gap = step["heldout_gap"]
+    assert set(gap) == {other} and gap[other]["standard_error"] > 0
+    assert gap[other]["difference"] == pytest.approx(losses[other] - losses[kept], rel=1e-4, abs=1e-6)
+
+
 def test_sequential_recipe_equals_the_plain_one(tiny_folders, tmp_path, monkeypatch):
     """`sequential: true` routes compensation and data-aware merging through the one-layer-at-a-time
     path (as --sequential does); on CPU it must write the weights of the plain run."""

@@ -83,6 +83,28 @@ def paired_difference(sums_a: Sequence[float], sums_b: Sequence[float],
     return diff, se
 
 
+#: How a recorded paired gap reads next to a held-out loss (prune's allocation line, convert-gqa's merges).
+PAIRED_NOTE = "± one standard error of the paired difference"
+
+
+def record_gaps(rows: Sequence[dict], verdicts: Sequence[dict], chosen: dict) -> None:
+    """Add `difference` (held-out loss above the chosen candidate's) and its `standard_error` to every
+    row whose verdict (an `evaluate(..., per_block=True)` result, same order as `rows`) is not the
+    chosen one: how close the call between the candidates was."""
+    for row, verdict in zip(rows, verdicts):
+        if verdict is not chosen:
+            row["difference"], row["standard_error"] = paired_difference(
+                verdict["block_sums"], chosen["block_sums"], chosen["block_weights"])
+
+
+def gap_text(candidate: dict) -> str:
+    """` (+0.0073 ± 0.0153)`: how much higher a candidate's held-out loss was than the chosen one's
+    (empty where none was recorded: the chosen one, or a document written before gaps were)."""
+    if "standard_error" not in candidate:
+        return ""
+    return f" ({candidate['difference']:+.4f} ± {candidate['standard_error']:.4f})"
+
+
 @torch.no_grad()
 def hidden_states(model, batches: Sequence[dict]) -> list[torch.Tensor]:
     """Final hidden states of a headless model on every batch (the reference for comparisons)."""

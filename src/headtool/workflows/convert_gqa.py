@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.calibration import attention_input_grams
-from ..measure.evaluation import evaluate
+from ..measure.evaluation import PAIRED_NOTE, evaluate, gap_text, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights, sequential_placement
@@ -46,6 +46,21 @@ def _methods(merge: str) -> list[str]:
     return list(dict.fromkeys(methods))
 
 
+def merge_line(summary: dict[str, Any]) -> str | None:
+    """One sentence on how the written merge compared with the others on the held-out blocks (None
+    with one method, or without held-out blocks)."""
+    rows = summary["results"]
+    mine = next((r for r in rows if r["method"] == summary["chosen"]), None)
+    others = [r for r in rows if r is not mine and "heldout_loss" in r]
+    if mine is None or "heldout_loss" not in mine or not others:
+        return None
+    held = summary.get("heldout_data") or {}
+    where = f"{held['samples']} held-out blocks of {held.get('source')}" if held.get("samples") else "held-out blocks"
+    paired = f"; {PAIRED_NOTE}" if any("standard_error" in r for r in others) else ""
+    vs = ", ".join(f"{r['method']} {r['heldout_loss']:.4f}{gap_text(r)}" for r in others)
+    return f"Held-out loss of `{mine['method']}` {mine['heldout_loss']:.4f} against {vs} ({where}{paired})."
+
+
 def card_table(summary: dict[str, Any]) -> str:
     b, a = summary["before"], summary["after"]
     lines = ["| | before | after |", "| --- | --- | --- |",
@@ -57,6 +72,8 @@ def card_table(summary: dict[str, Any]) -> str:
         lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | "
                      f"{next(r for r in summary['results'] if r['method'] == summary['chosen'])['eval']['loss']:.4f} |")
     lines += ["", f"Merge: `{summary['chosen']}`, grouping `{summary['grouping']}`."]
+    if merge_line(summary):
+        lines += ["", merge_line(summary)]
     refit = next((r.get("refit") for r in summary["results"] if r["method"] == summary["chosen"]), None)
     if refit:
         held = summary.get("heldout_data") or {}
@@ -170,7 +187,8 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
 
     before = summary_figures(lm.model, lm.adapter)
     results: list[dict[str, Any]] = []
-    best = best_key = None
+    verdicts: list[dict] = []  # held-out losses per block, for the gaps between the methods
+    best = best_key = best_verdict = None
     for method in methods:
         do_refit = (method == "fit") if req.refit is None else req.refit
         info(f"merging: {method}" + (" + sequential output-projection refit" if do_refit and cal else ""))
@@ -179,13 +197,18 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
                              heldout_batches=held.batches if held else None, damping=req.damping,
                              anchor=parse_anchor(req.anchor), calib_device=calib_device)
         row: dict[str, Any] = {"method": method, "seconds": round(conv.seconds, 2), "refit": conv.refit}
+        verdict = None
         if held:
-            row["heldout_loss"] = evaluate(conv.model, held.batches, objective, label=f"held-out {method}")["loss"]
+            verdict = evaluate(conv.model, held.batches, objective, label=f"held-out {method}", per_block=True)
+            row["heldout_loss"] = verdict["loss"]
         if ev:
             row["eval"] = evaluate(conv.model, ev.batches, objective, label=f"eval {method}")
         key = row["heldout_loss"] if held else (row["eval"]["loss"] if ev else 0.0)
         results.append(row)
+        verdicts.append(verdict)
         if best is None or key < best_key:
-            best, best_key = conv, key
+            best, best_key, best_verdict = conv, key, verdict
         del conv
+    if best_verdict is not None and len(methods) > 1:
+        record_gaps(results, verdicts, best_verdict)
     return Converted(best, methods, results, before, eval_before, cal, held, ev)

@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
 from ..io.provenance import RECORD, fitted_on, read_entries, written_record
 from ..io.sizes import parse_size
-from ..measure.evaluation import evaluate, paired_difference
+from ..measure.evaluation import evaluate, paired_difference, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import read_scores
 from ..measure.scoring import DATA_METHODS, ScoreResult, normalize_scores, score_heads
@@ -275,12 +275,7 @@ def _best_allocation(lm: LoadedModel, candidates: dict[str, Selection], run, hel
             kept = (modes[0], result, trial.model)
         del trial, result
     mode, result, model = kept
-    chosen = verdicts[mode]
-    for row in rows:
-        if verdicts[row["normalize"]] is not chosen:
-            diff, se = paired_difference(verdicts[row["normalize"]]["block_sums"], chosen["block_sums"],
-                                         chosen["block_weights"])
-            row.update({"difference": diff, "standard_error": se})
+    record_gaps(rows, [verdicts[row["normalize"]] for row in rows], verdicts[mode])
     lm.model = model
     if eval_batches:
         result.eval_before = eval_before

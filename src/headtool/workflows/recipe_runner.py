@@ -167,6 +167,10 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     ctx.meta.setdefault("kv_groups", [[list(g) for g in p.groups] for p in done.best.plans])
     out: dict[str, Any] = {"merge": done.best.method,
                            "heldout_loss": {r["method"]: r.get("heldout_loss") for r in done.results}}
+    gaps = {r["method"]: {"difference": r["difference"], "standard_error": r["standard_error"]}
+            for r in done.results if "standard_error" in r}
+    if gaps:  # the other methods' held-out loss above the kept one's, paired over the same blocks
+        out["heldout_gap"] = gaps
     if done.calibration is not None:
         out["data"] = done.calibration.info.get("source")
     if done.eval_before:

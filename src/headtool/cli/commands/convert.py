@@ -8,6 +8,7 @@ import typer
 from ...console import err_console, info, print_json
 from ...data.sources import AUTO_SOURCE
 from ...io.provenance import IN_DOMAIN_NOTE
+from ...measure.evaluation import PAIRED_NOTE, gap_text
 from ...workflows.requests import ConvertRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
@@ -59,8 +60,11 @@ def _tables(summary: dict[str, Any]):
         ev = r.get("eval")
         hl = r.get("heldout_loss")
         m.add_row(r["method"] + (" *" if r["method"] == summary["chosen"] else ""), kept,
-                  "" if hl is None else f"{hl:.4f}", "" if ev is None else f"{ev['loss']:.4f}",
+                  "" if hl is None else f"{hl:.4f}" + gap_text(r), "" if ev is None else f"{ev['loss']:.4f}",
                   "" if ev is None or "perplexity" not in ev else f"{ev['perplexity']:.2f}", f"{r['seconds']:.1f}s")
+    if any("standard_error" in r for r in summary["results"]):
+        m.caption = f"(+gap ± se): held-out loss above the written merge's, {PAIRED_NOTE}"
+        m.caption_justify = "left"
     return t, m
 
 
