@@ -42,7 +42,7 @@ REFIT_LAYERS = ("pruned", "all")
 def normalization_label(mode: str) -> str:
     """The scores a --normalize mode allocates heads from, in words (summary, card and progress log)."""
     return {"layer": "per-layer normalized scores", "geometric": "scores between raw and per-layer normalized",
-            "none": "raw scores"}.get(mode, mode)
+            "none": "raw scores", "obs": "refit errors weighted by loss sensitivity"}.get(mode, mode)
 
 
 @dataclass

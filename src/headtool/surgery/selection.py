@@ -214,6 +214,15 @@ def _unit_name(unit: str) -> str:
     return "whole KV groups" if unit == "group" else "one query head per KV group at a time"
 
 
+def layer_steps(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHeads], target: Target) -> list[list[list[int]]]:
+    """Every layer's removal steps as `select_heads` may take them (weakest first by `scores`, within
+    --min-heads-per-layer; none for protected layers): what an allocation that is not by scores splits."""
+    scores = check_scores(scores, geometry)
+    protected = target.protected(len(geometry))
+    return [[] if i in protected else _allowed_steps(removal_steps(s, g, target.unit), g, target.min_heads_per_layer)
+            for i, (s, g) in enumerate(zip(scores, geometry))]
+
+
 def select_heads(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHeads], target: Target) -> Selection:
     """The heads to keep per layer for `target`, from scores (higher = more important)."""
     geometry = list(geometry)
@@ -221,9 +230,7 @@ def select_heads(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHead
     scores = check_scores(scores, geometry)
     total = sum(g.num_heads for g in geometry)
     protected = target.protected(len(geometry))
-    allowed = [[] if i in protected else _allowed_steps(removal_steps(s, g, target.unit), g,
-                                                         target.min_heads_per_layer)
-               for i, (s, g) in enumerate(zip(scores, geometry))]
+    allowed = layer_steps(scores, geometry, target)
     removable = sum(len(st) for steps in allowed for st in steps)
     taken = [0] * len(geometry)  # steps taken per layer
 

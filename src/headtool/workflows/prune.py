@@ -2,6 +2,7 @@
 or listed) and write a checkpoint that reloads; optionally refit the output projections."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -30,6 +31,8 @@ from ..surgery.selection import (
     select_heads,
     selection_from_removed,
 )
+from ..surgery.compensation import anchor_candidates
+from ..surgery.obs_allocation import obs_selection
 from ..surgery.streaming import prune_checkpoint_streaming
 from .data_plan import allocation_spec, eval_spec, heldout_spec, with_default_blocks
 from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
@@ -162,6 +165,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     spec = resolve_auto(spec, lm.tokenizer, tm, "plain")
     score_info: dict = {}
     candidates: dict[str, Selection] = {}
+    obs = None
     if target is not None:
         if isinstance(scores, ScoreResult):
             scored, score_info = Scored.of(scores), {"from": "an earlier score step"}
@@ -170,7 +174,10 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         else:
             scored, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm)
         modes = normalizations(req, scored, spec, lm.task)
-        candidates = {m: select_heads(scored.matrix(m), geometry, target) for m in modes or [None]}
+        candidates = {m: select_heads(scored.matrix(m), geometry, target) for m in modes or [None] if m != "obs"}
+        if modes and "obs" in modes:
+            obs = _obs_candidate(lm, req, scored, target, spec, tm)
+            candidates = {m: obs.selection if m == "obs" else candidates[m] for m in modes}
         selection = next(iter(candidates.values()))
     compared = len({c.kept for c in candidates.values()}) > 1
     data = _data(lm, spec, req, tm, compared)
@@ -192,7 +199,20 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         if candidates and next(iter(candidates)) is not None:
             result.allocation = {"normalize": next(iter(candidates)), "candidates": [
                 {"normalize": m, "removed_per_layer": _per_layer(c, geometry)} for m, c in candidates.items()]}
+    if obs is not None:
+        result.allocation["obs"] = obs.record()
     return Pruned(result, target, score_info, data.eval_info, spec)
+
+
+def _obs_candidate(lm: LoadedModel, req: PruneRequest, scored: Scored, target: Target, spec: DataSpec, tm):
+    """The `--normalize obs` allocation: as many heads as the scores' selection removes, split over the
+    layers by what the refit cannot repair (surgery/obs_allocation.py), on the calibration blocks."""
+    objective = resolve_objective(req.objective, lm.task, None)
+    total = select_heads(scored.scores, lm.geometry, target).num_removed(lm.geometry)
+    batches = make_batches(spec, lm.tokenizer, DATA_TASK[objective], model=tm).batches
+    anchors = [a for a in anchor_candidates(parse_anchor(req.anchor)) if not math.isinf(a)]
+    return obs_selection(lm.model, lm.adapter, lm.geometry, scored.scores, target, total, batches, objective,
+                         damping=req.damping, anchor=min(anchors) if anchors else math.inf)
 
 
 @dataclass(frozen=True)
@@ -227,10 +247,13 @@ def normalizations(req: PruneRequest, scored: Scored, spec: DataSpec | None, tas
                       and spec is not None and spec.max_samples is not None)
         return ["layer", "none"] if comparable else None
     modes = list(dict.fromkeys(modes))
-    if scored.raw is None:
+    if objective not in ("lm", "mlm") and "obs" in modes:
+        raise UsageError(f"--normalize obs weighs errors by the loss's gradient (objective {objective} has no loss "
+                         "here)")
+    if scored.raw is None and modes != ["obs"]:
         raise UsageError("--normalize needs raw scores (a document from `headtool score`, or scoring now); these "
                          "scores have none")
-    if scored.iterative:
+    if scored.iterative and modes != ["obs"]:
         raise UsageError("iterative scores follow the order in which heads fell; --normalize does not apply to them")
     if len(modes) > 1:
         if spec is None or spec.max_samples is None:

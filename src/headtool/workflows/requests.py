@@ -146,9 +146,12 @@ class ScoreRequest:
 
 
 _H, _T, _C, _E = "Heads", "Target", "Compensation", "Evaluation"
-NORMALIZATIONS = ("auto", "layer", "geometric", "none")
+NORMALIZATIONS = ("auto", "layer", "geometric", "none", "obs")
 NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads each layer loses: layer (per-layer "
                   "L2, Michel) | none (the raw loss estimates) | geometric (between the two: their geometric mean) "
+                  "| obs (not from scores: each layer's count from the error the --compensate refit leaves, "
+                  "weighted by the layer's loss sensitivity E||dL/dy||^2, split over the layers exactly; "
+                  "one forward and backward pass over the calibration) "
                   "| a comma list, each pruned (all but the last on a copy "
                   "of the attention weights) and the lowest loss on held-out blocks kept (--heldout-data's when "
                   "given, else 8,192 tokens of text sampled from the model (64 blocks of 128) that the calibration "
@@ -229,6 +232,14 @@ class PruneRequest:
         if self.allocation_margin and not compares:
             raise UsageError("--allocation-margin weighs a comparison of normalizations: give --normalize with "
                              "several modes (or auto with --compensate)")
+        if "obs" in [m.strip() for m in self.normalize.split(",")]:
+            why = ("needs --compensate (it allocates by what the refit repairs)" if not self.compensate else
+                   "splits a number of heads: give --fraction or --num-heads, not --threshold"
+                   if self.threshold is not None else
+                   "splits heads over the layers: it does not go with --scope layer" if self.scope == "layer" else
+                   "needs a refit: an --anchor other than inf" if self.anchor.strip() == "inf" else None)
+            if why:
+                raise UsageError(f"--normalize obs {why}")
 
 
 @dataclass(frozen=True)
