@@ -26,13 +26,10 @@ sys.path.insert(0, str(HERE))
 import bench_cross_domain as cross  # noqa: E402
 from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
 
-from headtool.data.batches import make_batches  # noqa: E402
 from headtool.measure.evaluation import evaluate, paired_difference  # noqa: E402
 from headtool.model.loading import model_from_object  # noqa: E402
-from headtool.workflows.data_plan import allocation_spec  # noqa: E402
 from headtool.workflows.prune import prune_loaded, undercuts  # noqa: E402
-from headtool.workflows.requests import PruneRequest, ScoreRequest  # noqa: E402
-from headtool.workflows.score import score_loaded  # noqa: E402
+from headtool.workflows.requests import PruneRequest  # noqa: E402
 
 CALIBRATION = "builtin:pydoc+self"
 MODES = ("layer", "geometric", "none")  # `--normalize layer,geometric,none` (a tie keeps the first)
@@ -72,14 +69,8 @@ def main() -> None:
     lm, tok = run.lm, run.lm.tokenizer
     doc = document(run, "bench_allocation.py", CALIBRATION, modes=list(MODES), auto=list(AUTO))
     for seed in run.seeds:
-        spec = run.calibration(CALIBRATION, seed)
-        t0 = time.perf_counter()
-        scores = score_loaded(lm, ScoreRequest(model=cross.MODEL, method="gradient", data=spec),
-                              text_model=lm).result
-        score_s = time.perf_counter() - t0
-        # the blocks prune's judge reads: self text after every self block the calibration read
-        judge_spec = allocation_spec(spec, spec.skip_samples + spec.max_samples, True)[0]
-        judge = make_batches(judge_spec, tok, "lm", model=lm).batches
+        sample = run.scored(CALIBRATION, seed)
+        spec, scores, score_s, judge = sample.spec, sample.scores, sample.score_seconds, sample.judge
         for fraction in run.fractions:
             row = {"seed": seed, "fraction": fraction, "score_seconds": round(score_s, 1), "modes": {}}
             for mode in MODES:

@@ -192,6 +192,29 @@ def allocation_section(doc: dict) -> str:
     ])
 
 
+def obs_allocation_section(doc: dict) -> str:
+    from bench_obs_allocation import baselines, render
+
+    st = doc["settings"]
+    return "\n".join([
+        "### Heads per layer from what the refit cannot repair (`--normalize obs`): SmolLM2-135M, samples "
+        f"{_seed_span(st['seeds'])}, no training",
+        "",
+        f"prune at its defaults on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`) "
+        "with `--normalize obs`: each layer's count from the error the anchored refit leaves after removing the "
+        "heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
+        "(one forward and backward pass over the calibration), split over the layers exactly. Beside every "
+        "sample, what `auto` and `--normalize layer,geometric,none --allocation-margin 1` kept in the table "
+        "above (the same calibration and evaluation blocks). obs's judge loss carries its paired difference "
+        "from `auto`'s pick on the same 64 blocks of self text, ± one standard error. Seconds: the whole "
+        "prune (statistics, refit, no evaluation), with the statistics in brackets.",
+        "",
+        render(doc, baselines(RESULTS)),
+        "",
+        f"`{doc['command']}`",
+    ])
+
+
 def kv_groups_section(doc: dict) -> str:
     from bench_kv_groups import render
 
@@ -486,7 +509,8 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
-            ("allocation*.json", allocation_section), ("kv_groups*.json", kv_groups_section),
+            ("allocation*.json", allocation_section), ("obs_allocation*.json", obs_allocation_section),
+            ("kv_groups*.json", kv_groups_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),
             ("mla_calibration*.json", mla_calibration_section),

@@ -9,6 +9,7 @@ import json
 import math
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,16 @@ def add_sample_options(ap: argparse.ArgumentParser, fractions: str, out: str) ->
 
 
 @dataclass
+class Sample:
+    """A calibration sample as the allocation benches prune it."""
+
+    spec: Any
+    scores: Any
+    score_seconds: float
+    judge: list
+
+
+@dataclass
 class SampleRun:
     """One run: its clock, the model, the evaluation sets (out of domain only) and their baseline."""
 
@@ -49,6 +60,22 @@ class SampleRun:
         """The calibration of one sample: `cal` blocks of `source` (bench_cross_domain's cut)."""
         return cross.calibration_spec(source, self.domains, blocks=self.cal, evaluated=self.eval, seq_len=128,
                                       batch_size=4, seed=seed)[0]
+
+    def scored(self, source: str, seed: int) -> "Sample":
+        """One sample's calibration, its gradient scores (and their seconds), and the blocks prune's judge
+        of a list of modes reads: self text after every self block the calibration read."""
+        from headtool.data.batches import make_batches
+        from headtool.workflows.data_plan import allocation_spec
+        from headtool.workflows.requests import ScoreRequest
+        from headtool.workflows.score import score_loaded
+
+        spec = self.calibration(source, seed)
+        t0 = time.perf_counter()
+        scores = score_loaded(self.lm, ScoreRequest(model=cross.MODEL, method="gradient", data=spec),
+                              text_model=self.lm).result
+        seconds = time.perf_counter() - t0
+        judge_spec = allocation_spec(spec, spec.skip_samples + spec.max_samples, True)[0]
+        return Sample(spec, scores, seconds, make_batches(judge_spec, self.lm.tokenizer, "lm", model=self.lm).batches)
 
     def ratios(self, model) -> dict:
         """`model`'s perplexities on the evaluation sets, each with its ratio to the unpruned model's."""

@@ -74,3 +74,32 @@ def test_a_judge_with_a_margin_keeps_the_first_mode_unless_another_wins_by_it():
     assert "| 50% | layer,none | `--allocation-margin 1` | 1.643x | none, layer |" in table  # sqrt(1.5 * 1.8)
     assert table in render(doc)
     assert "| 50% (135) | 0 | layer | 3.0000 (+0.0750 ± 0.0250) | 1.800x | 1, 2 |" in render(doc)
+
+
+def test_the_obs_table_sets_each_sample_beside_what_the_scores_kept():
+    """bench_obs_allocation: obs's judge loss with its paired difference from auto's pick (the same
+    blocks), every sample beside auto's and the margin list's picks, geometric means and obs's wins."""
+    from bench_obs_allocation import render
+
+    def mode(sums, news):
+        return {"judge_loss": sum(sums) / 20, "judge_block_sums": sums, "removed_per_layer": [0, 3],
+                "eval": {"news": {"ratio": news}}}
+    base, rows = {}, []
+    for seed, obs_news in ((0, 1.5), (1, 1.7)):
+        base[(seed, 0.5)] = {"auto": "layer", "judge_block_weights": [10.0, 10.0],
+                             "modes": {"layer": mode([30.0, 32.0], 1.6), "geometric": mode([30.0, 32.2], 1.55),
+                                       "none": mode([30.5, 32.5], 1.65)}}
+        rows.append({"seed": seed, "fraction": 0.5, "heads_removed": 135, "judge_loss": 3.0,
+                     "judge_block_sums": [29.0, 31.0], "removed_per_layer": [0, 6], "statistics_seconds": 43.0,
+                     "prune_seconds": 80.0, "eval": {"news": {"ratio": obs_news}}})
+    doc = {"order": ["news"], "domains": {"news": {"label": "news (Lee corpus)"}},
+           "settings": {"fractions": [0.5]}, "rows": rows}
+    table = render(doc, base)
+    # obs 3.0 against auto's 3.1: -0.1, both blocks 1.0 lower, so no spread: standard error 0
+    assert "| 50% (135) | 0 | `obs` | 3.0000 (-0.1000 ± 0.0000) | 1.500x | 0, 6 | 80 (43) |" in table
+    assert "| 50% (135) | 0 | `auto` (kept layer) | 3.1000 | 1.600x | 0, 3 |  |" in table
+    assert "| 50% (135) | 1 | `layer,geometric,none` margin 1 (kept layer) | 3.1000 | 1.600x | 0, 3 |  |" in table
+    assert "geometric mean of 2 | `obs` (samples where obs beat auto: 1/2 news) | | **1.597x** |" in table
+    assert "geometric mean of 2 | `auto` (layer,none) | | **1.600x** |" in table
+    # obs,layer,none as prune would judge it: obs's judge loss 3.0 is the lowest in both samples
+    assert "geometric mean of 2 | `obs,layer,none` (the judge's pick) | | **1.597x** |" in table

@@ -1,0 +1,133 @@
+"""How many heads each layer loses by what the refit cannot repair (`prune --normalize obs`), per
+calibration sample, against the allocations from scores that bench_allocation measured.
+
+For every calibration sample (bench_cross_domain --seed) and fraction, SmolLM2-135M is pruned at prune's
+defaults (gradient scores on 64 blocks of `builtin:pydoc+self`, `--compensate --anchor 1`, the first
+layer protected) with `--normalize obs`, judged on the 64 blocks of self text a list of modes is judged
+on (so its paired difference from `auto`'s pick is known: bench_allocation recorded those blocks' losses
+for the same samples), and evaluated out of domain as bench_cross_domain.py. The table puts every sample
+beside what `auto` and `layer,geometric,none --allocation-margin 1` kept in benchmarks/results/
+allocation*.json (the same calibration, evaluation blocks and machine: their ratios reproduce to the
+digit), with geometric means over the samples.
+
+    python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4,5,6,7,8,9 --fractions 0.25,0.5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_cross_domain as cross  # noqa: E402
+from bench_allocation import judged  # noqa: E402
+from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
+
+from headtool.measure.evaluation import evaluate, paired_difference  # noqa: E402
+from headtool.model.loading import model_from_object  # noqa: E402
+from headtool.workflows.prune import prune_loaded  # noqa: E402
+from headtool.workflows.requests import PruneRequest  # noqa: E402
+
+CALIBRATION = "builtin:pydoc+self"
+MODES = ("layer", "geometric", "none")
+AUTO = ("layer", "none")
+LISTED = ("obs", "layer", "none")  # obs with auto's two modes, judged as prune judges a list
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_sample_options(ap, fractions="0.25,0.5", out="obs_allocation.json")
+    a = ap.parse_args()
+    run = start(a)
+    lm, tok = run.lm, run.lm.tokenizer
+    doc = document(run, "bench_obs_allocation.py", CALIBRATION)
+    for seed in run.seeds:
+        sample = run.scored(CALIBRATION, seed)
+        spec, scores, score_s, judge = sample.spec, sample.scores, sample.score_seconds, sample.judge
+        for fraction in run.fractions:
+            t0 = time.perf_counter()
+            plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
+            req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize="obs")
+            done = prune_loaded(plm, req, scores=scores, text_model=lm)
+            prune_s = time.perf_counter() - t0
+            verdict = evaluate(plm.model, judge, "lm", label="judge obs", per_block=True)
+            row = {"seed": seed, "fraction": fraction, "score_seconds": round(score_s, 1),
+                   "heads_removed": done.result.summary()["heads_removed"],
+                   "judge_loss": verdict["loss"], "judge_block_sums": [round(v, 6) for v in verdict["block_sums"]],
+                   "judge_block_weights": verdict["block_weights"],
+                   "removed_per_layer": removed_per_layer(done.result),
+                   "statistics_seconds": done.result.allocation["obs"]["seconds"],
+                   "prune_seconds": round(prune_s, 1), "eval": run.ratios(plm.model)}
+            doc["rows"].append(row)
+            run.clock.log(f"seed {seed} {fraction:.0%} obs: judge {row['judge_loss']:.4f}, " + " / ".join(
+                f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
+            run.save(doc)
+    print(render(doc, baselines()))
+
+
+def baselines(folder: Path = HERE / "results") -> dict:
+    """bench_allocation's rows by (seed, fraction), from every allocation*.json."""
+    rows = {}
+    for path in sorted(folder.glob("allocation*.json")):
+        for r in json.loads(path.read_text())["rows"]:
+            rows[(r["seed"], r["fraction"])] = r
+    return rows
+
+
+def render(doc: dict, base: dict) -> str:
+    """Per fraction and sample: obs's judge loss (with its paired difference from auto's pick) and ratios,
+    beside auto's and the margin list's ratios; then geometric means, and obs's wins sample by sample."""
+    order = doc["order"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    lines = ["| removed | calibration sample | allocation | judge loss (self text; obs: paired difference from "
+             "`auto`'s pick ± one standard error) | " + " | ".join(labels) + " | heads a layer lost (the counts "
+             "that occur) | seconds of the prune (of which obs's statistics) |",
+             "| --- | ---: | --- | ---: | " + " | ".join("---:" for _ in order) + " | --- | ---: |"]
+    picks: dict[tuple, list] = {}
+    for fraction in doc["settings"]["fractions"]:
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in base]
+        for r in rows:
+            b = base[(r["seed"], fraction)]
+            auto, margin = b["auto"], judged(b, MODES, 1.0)
+            diff, se = paired_difference(r["judge_block_sums"], b["modes"][auto]["judge_block_sums"],
+                                         b["judge_block_weights"])
+            entries = [("`obs`", f"{r['judge_loss']:.4f} ({diff:+.4f} ± {se:.4f})", r["eval"], r["removed_per_layer"],
+                        f"{r['prune_seconds']:.0f} ({r['statistics_seconds']:.0f})"),
+                       (f"`auto` (kept {auto})", f"{b['modes'][auto]['judge_loss']:.4f}", b["modes"][auto]["eval"],
+                        b["modes"][auto]["removed_per_layer"], ""),
+                       (f"`layer,geometric,none` margin 1 (kept {margin})", f"{b['modes'][margin]['judge_loss']:.4f}",
+                        b["modes"][margin]["eval"], b["modes"][margin]["removed_per_layer"], "")]
+            for name, judge, ev, removed, secs in entries:
+                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {name} | {judge} | "
+                             + " | ".join(f"{ev[n]['ratio']:.3f}x" for n in order)
+                             + f" | {', '.join(map(str, sorted(set(removed))))} | {secs} |")
+            listed = {"modes": {"obs": {"judge_loss": r["judge_loss"], "judge_block_sums": r["judge_block_sums"],
+                                        "eval": r["eval"]}, **b["modes"]},
+                      "judge_block_weights": b["judge_block_weights"]}
+            picks.setdefault((fraction, "list"), []).append(listed["modes"][judged(listed, LISTED)]["eval"])
+            picks.setdefault((fraction, "obs"), []).append(r["eval"])
+            picks.setdefault((fraction, "auto"), []).append(b["modes"][auto]["eval"])
+            picks.setdefault((fraction, "margin"), []).append(b["modes"][margin]["eval"])
+        if len(rows) > 1:
+            names = {"obs": "`obs`", "auto": "`auto` (layer,none)", "margin": "`layer,geometric,none` margin 1",
+                     "list": f"`{','.join(LISTED)}` (the judge's pick)"}
+            for key, name in names.items():
+                got = picks[(fraction, key)]
+                wins = ""
+                if key == "obs":
+                    wins = " (samples where obs beat auto: " + ", ".join(
+                        f"{sum(o[n]['ratio'] < au[n]['ratio'] for o, au in zip(got, picks[(fraction, 'auto')]))}/"
+                        f"{len(got)} {n}" for n in order) + ")"
+                lines.append(f"| {fraction:.0%} | geometric mean of {len(rows)} | {name}{wins} | | "
+                             + " | ".join(f"**{geomean([e[n]['ratio'] for e in got]):.3f}x**" for n in order)
+                             + " | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
