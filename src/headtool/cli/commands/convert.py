@@ -8,7 +8,6 @@ import typer
 from ...console import err_console, info, print_json
 from ...data.sources import AUTO_SOURCE
 from ...io.provenance import IN_DOMAIN_NOTE
-from ...measure.evaluation import PAIRED_NOTE, gap_text
 from ...workflows.requests import ConvertRequest, calibration_data
 from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
 
@@ -27,6 +26,7 @@ def _kv_rows(before: list[int], after: list[int]) -> list[tuple[str, str]]:
 def _tables(summary: dict[str, Any]):
     from rich.table import Table
 
+    from ...measure.evaluation import PAIRED_NOTE, gap_text  # torch: only once a command runs
     from ..render import human_bytes, human_int
 
     t = Table(title=f"headtool convert-gqa: {summary['model']} -> {summary['output'] or '(not written)'}",
