@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from bench_allocation import judged  # noqa: E402
+from bench_allocation import MODES, judged  # noqa: E402
 from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
 
 from headtool.measure.evaluation import evaluate, paired_difference  # noqa: E402
@@ -34,8 +34,6 @@ from headtool.workflows.prune import prune_loaded  # noqa: E402
 from headtool.workflows.requests import PruneRequest  # noqa: E402
 
 CALIBRATION = "builtin:pydoc+self"
-MODES = ("layer", "geometric", "none")
-AUTO = ("layer", "none")
 LISTED = ("obs", "layer", "none")  # obs with auto's two modes, judged as prune judges a list
 
 

@@ -97,6 +97,14 @@ def record_gaps(rows: Sequence[dict], verdicts: Sequence[dict], chosen: dict) ->
                 verdict["block_sums"], chosen["block_sums"], chosen["block_weights"])
 
 
+def against_text(others: Sequence[tuple[str, dict]], where: str) -> str:
+    """`against mean 9.8773 (+4.9691 ± 0.0997), ... (4 blocks of X; ± one standard error ...)`: the other
+    candidates' held-out losses (each `(label, row)`), with their recorded gaps, and where they were measured."""
+    vs = ", ".join(f"{label} {row['heldout_loss']:.4f}{gap_text(row)}" for label, row in others)
+    paired = f"; {PAIRED_NOTE}" if any("standard_error" in row for _, row in others) else ""
+    return f"against {vs} ({where}{paired})"
+
+
 def gap_text(candidate: dict) -> str:
     """` (+0.0073 ± 0.0153)`: how much higher a candidate's held-out loss was than the chosen one's
     (empty where none was recorded: the chosen one, or a document written before gaps were)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -162,9 +162,7 @@ class ObsAllocation:
 
     selection: Selection
     sensitivity: list[float]  # E||dL/dy||² per layer (mean over tokens)
-    removed_per_layer: list[int]
     seconds: float
-    costs: list[list[float]] = field(default_factory=list)
 
     def record(self) -> dict:
         return {"layer_sensitivity": [float(f"{v:.6g}") for v in self.sensitivity], "seconds": round(self.seconds, 2)}
@@ -190,9 +188,7 @@ def obs_selection(model: nn.Module, adapter: Adapter, geometry: Sequence[LayerHe
     if split is None:
         raise UsageError(f"no split of {total} heads over the layers' removal steps exists")
     kept = []
-    for geo, st, n in zip(geometry, steps, split):
-        k = next(k for k in range(len(st) + 1) if sum(len(s) for s in st[:k]) == n)
-        gone = {h for s in st[:k] for h in s}
+    for geo, st, ns, n in zip(geometry, steps, counts, split):
+        gone = {h for s in st[:ns.index(n)] for h in s}  # counts are the steps' running totals
         kept.append([h for h in range(geo.num_heads) if h not in gone])
-    return ObsAllocation(Selection.from_kept(geometry, kept), per_token, list(split),
-                         sens.seconds + time.perf_counter() - t0, costs)
+    return ObsAllocation(Selection.from_kept(geometry, kept), per_token, sens.seconds + time.perf_counter() - t0)

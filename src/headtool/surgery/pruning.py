@@ -20,7 +20,7 @@ from torch import nn
 from ..arch import Adapter, LayerHeads
 from ..arch.heads import keep_for_query_heads, prune_layer_tensors
 from ..errors import UsageError
-from ..measure.evaluation import PAIRED_NOTE, evaluate, gap_text
+from ..measure.evaluation import against_text, evaluate
 from ..model.info import model_info
 from ..model.placement import require_resident_weights
 from ..model.resize import resize_attention
@@ -99,13 +99,10 @@ class PruneResult:
         if not others:
             return chosen
         mine = next(c for c in a["candidates"] if c["normalize"] == a["normalize"])
-        vs = ", ".join(f"{label(c['normalize'])} {c['heldout_loss']:.4f}" + gap_text(c) for c in others)
         on = (a.get("compared_on") or {}).get("source")
         where = f"{a['heldout_blocks']} blocks" + (f" of {'self text' if on == 'self' else on}" if on else "")
-        paired = f"; {PAIRED_NOTE}" if any("standard_error" in c for c in others) else ""
-        return f"{chosen}: held-out loss {mine['heldout_loss']:.4f} against {vs} ({where}{paired})"
-
-
+        vs = against_text([(label(c["normalize"]), c) for c in others], where)
+        return f"{chosen}: held-out loss {mine['heldout_loss']:.4f} {vs}"
 
 
 def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int]) -> LayerHeads:

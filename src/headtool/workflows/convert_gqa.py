@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.calibration import attention_input_grams
-from ..measure.evaluation import PAIRED_NOTE, evaluate, gap_text, record_gaps
+from ..measure.evaluation import against_text, evaluate, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights, sequential_placement
@@ -56,9 +56,8 @@ def merge_line(summary: dict[str, Any]) -> str | None:
         return None
     held = summary.get("heldout_data") or {}
     where = f"{held['samples']} held-out blocks of {held.get('source')}" if held.get("samples") else "held-out blocks"
-    paired = f"; {PAIRED_NOTE}" if any("standard_error" in r for r in others) else ""
-    vs = ", ".join(f"{r['method']} {r['heldout_loss']:.4f}{gap_text(r)}" for r in others)
-    return f"Held-out loss of `{mine['method']}` {mine['heldout_loss']:.4f} against {vs} ({where}{paired})."
+    vs = against_text([(r["method"], r) for r in others], where)
+    return f"Held-out loss of `{mine['method']}` {mine['heldout_loss']:.4f} {vs}."
 
 
 def card_table(summary: dict[str, Any]) -> str:
@@ -72,8 +71,9 @@ def card_table(summary: dict[str, Any]) -> str:
         lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | "
                      f"{next(r for r in summary['results'] if r['method'] == summary['chosen'])['eval']['loss']:.4f} |")
     lines += ["", f"Merge: `{summary['chosen']}`, grouping `{summary['grouping']}`."]
-    if merge_line(summary):
-        lines += ["", merge_line(summary)]
+    compared = merge_line(summary)
+    if compared:
+        lines += ["", compared]
     refit = next((r.get("refit") for r in summary["results"] if r["method"] == summary["chosen"]), None)
     if refit:
         held = summary.get("heldout_data") or {}

@@ -174,10 +174,10 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         else:
             scored, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm)
         modes = normalizations(req, scored, spec, lm.task)
-        candidates = {m: select_heads(scored.matrix(m), geometry, target) for m in modes or [None] if m != "obs"}
         if modes and "obs" in modes:
             obs = _obs_candidate(lm, req, scored, target, spec, tm)
-            candidates = {m: obs.selection if m == "obs" else candidates[m] for m in modes}
+        candidates = {m: obs.selection if m == "obs" else select_heads(scored.matrix(m), geometry, target)
+                      for m in modes or [None]}
         selection = next(iter(candidates.values()))
     compared = len({c.kept for c in candidates.values()}) > 1
     data = _data(lm, spec, req, tm, compared)
