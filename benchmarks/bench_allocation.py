@@ -7,7 +7,7 @@ fraction, SmolLM2-135M is pruned at prune's defaults (gradient scores on 64 bloc
 (`layer`, `geometric`, `none`; each alone is bit for bit the candidate a list of modes builds). Each
 pruned model is scored by the judge a list uses (its mean loss on the 64 blocks of self text the
 calibration did not read, the same blocks prune reads) and evaluated out of domain as
-bench_cross_domain.py. The table shows what `auto` (`layer,none`) keeps and what
+bench_cross_domain.py. The table shows what `auto` kept when these runs were made (`layer,none`; it is obs now) and what
 `--normalize layer,geometric,none` keeps, per sample and as geometric means.
 
     python benchmarks/bench_allocation.py --seeds 0,1,2,3,4,5 --fractions 0.25,0.5
@@ -33,7 +33,7 @@ from headtool.workflows.requests import PruneRequest  # noqa: E402
 
 CALIBRATION = "builtin:pydoc+self"
 MODES = ("layer", "geometric", "none")  # `--normalize layer,geometric,none` (a tie keeps the first)
-AUTO = ("layer", "none")  # what `--normalize auto` compares
+AUTO = ("layer", "none")  # what `--normalize auto` compared with --compensate when these runs were made (now obs)
 
 
 MARGINS = (1.0, 2.0)  # the judges with a margin the table also shows (standard errors of the paired difference)

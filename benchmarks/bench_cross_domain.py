@@ -524,6 +524,20 @@ EARLIER_RULE_NOTE = (f"{EARLIER_RULE} `--normalize auto` chose on held-out block
                      "its rule before it compared allocations on self text; measured before the change, not rerun.")
 
 
+#: marks a row whose `--normalize auto` compared layer,none with --compensate (before auto became obs)
+BEFORE_OBS = "‡"
+BEFORE_OBS_NOTE = (f"{BEFORE_OBS} `--normalize auto` with `--compensate` pruned with `layer` and `none` and kept the "
+                   "lower held-out loss, its rule before it became `obs` (the split by what the refit cannot "
+                   "repair); measured before the change, not rerun.")
+
+
+def auto_before_obs(row: dict) -> bool:
+    """Did `--normalize auto` compare layer,none in this refit prune row, where it now takes obs?"""
+    modes = {c.get("normalize") for c in (row.get("allocation") or {}).get("candidates", [])}
+    return (row.get("normalize") == "auto" and bool(row.get("compensate")) and modes == {"layer", "none"}
+            and str(row.get("anchor")) != "inf")
+
+
 def chose_by_earlier_rule(row: dict) -> bool:
     """Did `--normalize auto` choose this prune row's allocation by the earlier rule: candidates compared
     on held-out blocks, none of another source given, and no record of the blocks (rows written since
@@ -539,7 +553,7 @@ def chosen_allocation(row: dict) -> str | None:
     chosen = (row.get("allocation") or {}).get("normalize")
     if chosen is None:
         return None
-    return chosen + (EARLIER_RULE if chose_by_earlier_rule(row) else "")
+    return chosen + (EARLIER_RULE if chose_by_earlier_rule(row) else "") + (BEFORE_OBS if auto_before_obs(row) else "")
 
 
 def self_judged_blocks(rows: list[dict]) -> int | None:
@@ -590,6 +604,8 @@ def render(doc: dict) -> str:
                      + "; ".join(f"`{c}` {once(v)}" for c, v in doc["calibration"].items()) + ".")
     if any(chose_by_earlier_rule(r) for r in doc["rows"]):
         lines.append(EARLIER_RULE_NOTE)
+    if any(auto_before_obs(r) for r in doc["rows"]):
+        lines.append(BEFORE_OBS_NOTE)
     lines.append(f"`{doc['command']}`")
     return "\n".join(lines)
 

@@ -7,8 +7,8 @@ against any single head.
 costs, the model is also expanded exactly to multi-head attention (every query head gets its own
 copy of its group's K/V head: the same function, checked on the evaluation sets), where a prune may
 remove any single head. Both are pruned by the same code at prune's defaults (gradient scores on the
-calibration, `--compensate --anchor 1`, `--normalize auto` judged on self text, the first layer
-protected), the same number of heads, on the same calibration; evaluated out of domain as
+calibration, `--compensate --anchor 1`, `--normalize auto`: obs now, layer,none judged on self text when
+results/kv_groups.json was measured; the first layer protected), the same number of heads, on the same calibration; evaluated out of domain as
 bench_cross_domain.py. The expanded model's KV cache is 3x the original's, so it is a measurement
 of the selection, not a way to prune: keeping the 3 K/V heads with uneven groups is what would make
 it one.

@@ -60,10 +60,12 @@ def protect_section(doc: dict) -> str:
 
 
 def normalize_section(doc: dict) -> str:
-    from bench_cross_domain import EARLIER_RULE, chose_by_earlier_rule, render, self_judged_blocks
+    from bench_cross_domain import (BEFORE_OBS, EARLIER_RULE, auto_before_obs, chose_by_earlier_rule, render,
+                                    self_judged_blocks)
 
     st = doc["settings"]
     earlier = any(chose_by_earlier_rule(r) for r in doc["rows"])
+    before = any(auto_before_obs(r) for r in doc["rows"])
     judged = (f"on held-out blocks of the calibration source (a quarter of the calibration, {st['cal'] // 4} "
               f"blocks after it: the rule when this table was measured, {EARLIER_RULE})" if earlier else
               f"on {self_judged_blocks(doc['rows'])} blocks of self text that the calibration did not read")
@@ -73,8 +75,11 @@ def normalize_section(doc: dict) -> str:
         "",
         "The same gradient scores, normalized per layer (`layer`, Michel et al. 2019: what prune used before "
         "the option) or raw (`none`: first-order estimates of the loss each head costs, on one scale across "
-        "layers), and `auto`, prune's default with `--compensate`: both pruned and refit, the one with the lower "
-        f"loss {judged} kept (no evaluation text takes part in the choice). Columns as in the table above.",
+        "layers); `layer,none` prunes and refits with both and keeps the one with the lower "
+        f"loss {judged} (no evaluation text takes part in the choice). `auto`, prune's default with "
+        "`--compensate`, is `obs` (the heads per layer from what the refit cannot repair; below)"
+        + (f", and was `layer,none` before (rows marked {BEFORE_OBS})" if before else "")
+        + ". Columns as in the table above.",
         "",
         render(doc),
     ])
@@ -83,7 +88,8 @@ def normalize_section(doc: dict) -> str:
 def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
-    from bench_cross_domain import EARLIER_RULE_NOTE, chose_by_earlier_rule, chosen_allocation, self_judged_blocks
+    from bench_cross_domain import (BEFORE_OBS, BEFORE_OBS_NOTE, EARLIER_RULE_NOTE, auto_before_obs,
+                                    chose_by_earlier_rule, chosen_allocation, self_judged_blocks)
 
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
@@ -102,9 +108,11 @@ def calibration_size_section(docs: list[dict]) -> str:
         "### How much calibration text, and which (`--max-samples`, the sample): SmolLM2-135M, heads removed "
         "with `--compensate`, no training",
         "",
-        f"prune at its defaults (gradient scores on the calibration blocks, `--normalize auto` choosing on "
-        f"{self_judged_blocks(prunes)} blocks of self text the calibration did not read, `--anchor 1`, the first "
-        f"layer protected) calibrated on "
+        "prune at its defaults (gradient scores on the calibration blocks, "
+        + (f"`--normalize auto` as it was when these ran, `layer,none` choosing on {self_judged_blocks(prunes)} "
+           f"blocks of self text the calibration did not read ({BEFORE_OBS})" if any(auto_before_obs(r) for r in prunes)
+           else "`--normalize auto`")
+        + ", `--anchor 1`, the first layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
         "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
         "which self text; every other table uses seed 0, and a larger calibration adds blocks to the same ones). "
@@ -127,7 +135,8 @@ def calibration_size_section(docs: list[dict]) -> str:
             cells = [f"{r['eval'][n]['ratio']:.2f}x" if n in r["eval"] else "-" for n in names]
             lines.append(f"| {blocks} | {seed} | {r['fraction']:.0%} ({r['heads_removed']}), chose {chosen} | "
                          + " | ".join(cells) + f" | {scores:.0f} + {r['seconds']:.0f} |")
-    lines += [""] + ([EARLIER_RULE_NOTE] if earlier else []) + ["Commands:"] + [f"`{doc['command']}`" for doc in docs]
+    lines += [""] + ([EARLIER_RULE_NOTE] if earlier else []) + \
+        ([BEFORE_OBS_NOTE] if any(auto_before_obs(r) for r in prunes) else []) + ["Commands:"] + [f"`{doc['command']}`" for doc in docs]
     return "\n".join(lines)
 
 
@@ -179,7 +188,8 @@ def allocation_section(doc: dict) -> str:
         "Each `--normalize` mode pruned alone at prune's defaults on "
         f"{st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`): the judge's loss (the "
         "64 blocks of self text the calibration did not read, on which a list of modes keeps the lowest) and "
-        "the out-of-domain ratios as above. `auto` (the default: `layer,none`) keeps the row marked so; "
+        "the out-of-domain ratios as above. `auto` (`layer,none`: the default with `--compensate` when these "
+        "ran; it is `obs` now, the next table) keeps the row marked so; "
         "`layer,geometric,none`, the bold one. The geometric means compare what each keeps over the samples. "
         "The judge's loss of every other mode carries its paired difference from the one `auto` kept (the same "
         "64 blocks, block by block) and that difference's standard error. The second table judges the same "
@@ -204,9 +214,10 @@ def obs_allocation_section(doc: dict) -> str:
         "with `--normalize obs`: each layer's count from the error the anchored refit leaves after removing the "
         "heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
         "(one forward and backward pass over the calibration), split over the layers exactly. Beside every "
-        "sample, what `auto` and `--normalize layer,geometric,none --allocation-margin 1` kept in the table "
+        "sample, what `auto` kept when these ran (`layer,none`; from these runs the default is `obs`) and "
+        "`--normalize layer,geometric,none --allocation-margin 1` kept in the table "
         "above (the same calibration and evaluation blocks). obs's judge loss carries its paired difference "
-        "from `auto`'s pick on the same 64 blocks of self text, ± one standard error. Seconds: the whole "
+        "from that `auto`'s pick on the same 64 blocks of self text, ± one standard error. Seconds: the whole "
         "prune (statistics, refit, no evaluation), with the statistics in brackets.",
         "",
         render(doc, baselines(RESULTS)),
@@ -226,7 +237,10 @@ def kv_groups_section(doc: dict) -> str:
         "equal in size), so SmolLM2-135M (9 query heads in 3 groups) loses 0, 3 or 6 heads a layer. What that "
         "costs, measured by pruning the model expanded exactly to multi-head attention (each query head its own "
         "copy of its group's K/V head; the same perplexities), where any single head can go: prune's defaults "
-        f"on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`), the same number of heads, "
+        f"on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`"
+        + ("; `--normalize auto` as it was when this ran: `layer,none` judged on self text"
+           if any(r.get("allocation") in ("layer", "none") for r in doc["rows"]) else "")
+        + "), the same number of heads, "
         "out-of-domain ratios as above. A measurement of the choice, not a way to prune (the expanded cache is "
         "3x the original's): keeping the 3 K/V heads with uneven groups would make it one.",
         "",

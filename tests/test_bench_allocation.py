@@ -22,7 +22,8 @@ def test_the_bench_judges_as_prune_does():
     def modes(normalize: str) -> tuple:
         req = PruneRequest(model="m", fraction=0.25, compensate=True, data=spec, normalize=normalize)
         return tuple(normalizations(req, scored, spec, "causal-lm"))
-    assert modes("auto") == AUTO and modes(",".join(MODES)) == MODES
+    assert modes(",".join(AUTO)) == AUTO and modes(",".join(MODES)) == MODES
+    assert modes("auto") == ("obs",)  # the default since obs_allocation.json; AUTO is the one before
     def row(**losses) -> dict:
         return {"modes": {m: {"judge_loss": v} for m, v in losses.items()}}
     losses = row(layer=3.2, geometric=3.1, none=3.15)

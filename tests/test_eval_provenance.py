@@ -30,13 +30,13 @@ def prose(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory):
-    """A tiny llama pruned with a refit on 8 builtin:pydoc blocks (and its allocation chosen on 64
-    blocks of text sampled from it), reporting on 2 blocks of builtin:licenses."""
+    """A tiny llama pruned with a refit on 8 builtin:pydoc blocks (and its allocation chosen between
+    layer and none on 64 blocks of text sampled from it), reporting on 2 blocks of builtin:licenses."""
     root = tmp_path_factory.mktemp("prov")
     src = save_tiny("llama", root / "src", num_hidden_layers=4, num_key_value_heads=4)
     out = root / "p"
     res = runner.invoke(app, ["prune", str(src), "--fraction", "0.25", "--compensate", "--data", "builtin:pydoc",
-                              "--max-samples", "8", *BLOCKS, "--eval-data", "builtin:licenses",
+                              "--max-samples", "8", *BLOCKS, "--normalize", "layer,none", "--eval-data", "builtin:licenses",
                               "--eval-samples", "2", "-o", str(out)])
     assert res.exit_code == 0, res.output
     return src, out

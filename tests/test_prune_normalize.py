@@ -46,18 +46,32 @@ def _req(**kw) -> PruneRequest:
     return PruneRequest(**{"model": "m", "fraction": 0.25, "compensate": True, "data": SPEC, **kw})
 
 
-def test_auto_compares_layer_and_none_only_for_loss_based_scores_with_compensate():
+def test_auto_is_obs_with_compensate_and_compares_layer_and_none_where_obs_cannot_run():
     scored = Scored(RAW, RAW, "layer", "gradient")
-    assert normalizations(_req(), scored, SPEC, "causal-lm") == ["layer", "none"]
+    assert normalizations(_req(), scored, SPEC, "causal-lm") == ["obs"]
+    assert normalizations(_req(), Scored(RAW, RAW, "none", "magnitude"), SPEC, "causal-lm") == ["obs"]
+    assert normalizations(_req(), Scored(RAW, None, "layer", "gradient"), SPEC, "causal-lm") == ["obs"]
+    assert normalizations(_req(anchor="0,1"), scored, SPEC, "causal-lm") == ["obs"]
+    # no refit to ask (anchor inf) or one count per layer: the loss-based scores' two modes compared
+    for no_obs in ({"anchor": "inf"}, {"scope": "layer"}):
+        assert normalizations(_req(**no_obs), scored, SPEC, "causal-lm") == ["layer", "none"]
+        assert normalizations(_req(**no_obs), Scored(RAW, RAW, "none", "magnitude"), SPEC, "causal-lm") is None
+        assert normalizations(_req(**no_obs), Scored(RAW, None, "layer", "gradient"), SPEC, "causal-lm") is None
+        assert normalizations(_req(**no_obs), Scored(RAW, RAW, "layer", "gradient", iterative=True), SPEC,
+                              "causal-lm") is None
     assert normalizations(_req(normalize="layer,geometric,none"), scored, SPEC, "causal-lm") == \
         ["layer", "geometric", "none"]
     assert normalizations(_req(compensate=False), scored, SPEC, "causal-lm") is None
-    assert normalizations(_req(), Scored(RAW, RAW, "none", "magnitude"), SPEC, "causal-lm") is None
-    assert normalizations(_req(), Scored(RAW, None, "layer", "gradient"), SPEC, "causal-lm") is None
-    assert normalizations(_req(), Scored(RAW, RAW, "layer", "gradient", iterative=True), SPEC, "causal-lm") is None
     assert normalizations(_req(threshold=0.1, fraction=None), scored, SPEC, "causal-lm") is None
-    assert normalizations(_req(), scored, SPEC, "base") is None  # kl: no loss on held-out text to compare
+    assert normalizations(_req(), scored, SPEC, "base") is None  # kl: no loss for obs or a comparison
     assert normalizations(_req(normalize="none,layer,none"), scored, SPEC, "causal-lm") == ["none", "layer"]
+
+
+def test_allocation_margin_with_an_auto_that_compares_nothing_is_a_usage_error():
+    scored = Scored(RAW, RAW, "layer", "gradient")
+    with pytest.raises(UsageError, match="auto is obs here"):
+        normalizations(_req(allocation_margin=1.0), scored, SPEC, "causal-lm")
+    assert normalizations(_req(allocation_margin=1.0, anchor="inf"), scored, SPEC, "causal-lm") == ["layer", "none"]
 
 
 @pytest.mark.parametrize("value, scored, message", [
@@ -167,7 +181,7 @@ def test_a_margin_keeps_the_first_mode_unless_a_later_one_wins_by_it(src, tmp_pa
         assert strict["normalize"] == order.split(",")[0] and strict["margin_standard_errors"] == 1e6
 
 
-@pytest.mark.parametrize("args", [["--normalize", "layer"], []])
+@pytest.mark.parametrize("args", [["--normalize", "layer"], [], ["--compensate"]])
 def test_a_margin_without_a_comparison_is_one_line(src, tmp_path, args):
     r = _run("prune", src, *COMMON, "--fraction", 0.5, *args, "--allocation-margin", 1, "-o", tmp_path / "x")
     assert r.exit_code == 2 and "--allocation-margin weighs a comparison of normalizations" in r.stderr
@@ -217,10 +231,17 @@ def test_an_evaluation_on_self_text_starts_after_the_self_blocks_of_a_mixed_cali
     assert (espec.source, skip, espec.skip_samples) == ("self", 5, 5)
 
 
-def test_the_default_compares_and_a_recipe_step_does_the_same(src, tmp_path):
+def test_the_default_with_compensate_is_obs_and_a_recipe_step_does_the_same(src, tmp_path):
     cli = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "-o", tmp_path / "cli", "--json")
     assert cli.exit_code == 0, cli.stderr
-    assert [c["normalize"] for c in json.loads(cli.stdout)["allocation"]["candidates"]] == ["layer", "none"]
+    alloc = json.loads(cli.stdout)["allocation"]
+    assert alloc["normalize"] == "obs" and [c["normalize"] for c in alloc["candidates"]] == ["obs"]
+    assert len(alloc["obs"]["layer_sensitivity"]) == 5
+    explicit = _run("prune", src, *COMMON, "--fraction", 0.5, "--compensate", "--normalize", "obs", "-o",
+                    tmp_path / "obs")
+    assert explicit.exit_code == 0, explicit.stderr
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == \
+        (tmp_path / "obs" / "model.safetensors").read_bytes()
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {src}\ndata: {{source: 'builtin:pydoc', max_samples: 8, seq_len: 16, batch_size: 2}}\n"
                       "steps:\n  - score: {}\n  - prune: {fraction: 0.5, compensate: true}\n")

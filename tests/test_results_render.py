@@ -187,3 +187,29 @@ def test_rows_chosen_by_the_earlier_allocation_rule_are_marked():
     assert chosen_allocation({**old, "heldout_data": "self"}) == "layer"
     assert chosen_allocation({"allocation": {"normalize": "none", "candidates": [{"normalize": "none"}]}}) == "none"
     assert chosen_allocation({}) is None and "not rerun" in EARLIER_RULE_NOTE
+
+
+def test_rows_where_auto_compared_layer_and_none_are_marked_as_before_obs():
+    """Since --normalize auto is obs with --compensate, a refit row whose auto compared layer,none
+    (measured before) is marked in the tables and the note says so; an obs row, an explicit
+    layer,none row and a row without a refit (auto as scored) are not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cross_domain import BEFORE_OBS, BEFORE_OBS_NOTE, chosen_allocation, render
+
+    cands = [{"normalize": "layer", "heldout_loss": 3.1}, {"normalize": "none", "heldout_loss": 3.2}]
+    seen = {"compared_on": {"source": "self"}}
+    old = {"normalize": "auto", "compensate": True, "anchor": "1",
+           "allocation": {"normalize": "layer", "candidates": cands, **seen}}
+    assert chosen_allocation(old) == "layer" + BEFORE_OBS
+    assert chosen_allocation({**old, "normalize": "layer,none"}) == "layer"
+    assert chosen_allocation({**old, "anchor": "inf"}) == "layer"  # auto still compares without a refit
+    assert chosen_allocation({**old, "allocation": {"normalize": "obs", "candidates": [{"normalize": "obs"}]}}) == "obs"
+    ev = {"news": {"perplexity": 2.0, "ratio": 1.0}}
+    doc = {"order": ["news"], "domains": {"news": {"eval": {"samples": 1, "seq_len": 8}, "blocks_available": 2}},
+           "calibration": {}, "command": "python benchmarks/bench_cross_domain.py",
+           "rows": [{"kind": "prune", "change": "25% of query heads removed", "heads_removed": 66,
+                     "calibration": "self", "eval": ev, "seconds": 1.0, **old}]}
+    table = render(doc)
+    assert f"`--normalize auto` (chose layer{BEFORE_OBS})" in table and BEFORE_OBS_NOTE in table
+    doc["rows"][0]["allocation"] = {"normalize": "obs", "candidates": [{"normalize": "obs"}]}
+    assert BEFORE_OBS not in render(doc)

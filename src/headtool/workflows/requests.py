@@ -155,8 +155,9 @@ NORMALIZE_HELP = ("how scores compare across layers, which sets how many heads e
                   "| a comma list, each pruned (all but the last on a copy "
                   "of the attention weights) and the lowest loss on held-out blocks kept (--heldout-data's when "
                   "given, else 8,192 tokens of text sampled from the model (64 blocks of 128) that the calibration "
-                  "did not read, else the calibration's source after it) | auto: layer,none with --compensate and "
-                  "loss-based scores (each helps at another fraction, measured), else as scored")
+                  "did not read, else the calibration's source after it) | auto: obs with --compensate (the lowest "
+                  "loss on text the calibration never saw at 25% and 50%, measured), layer,none where obs cannot "
+                  "run (--anchor inf, --scope layer), else as scored")
 
 
 @dataclass(frozen=True)
@@ -224,14 +225,23 @@ class PruneRequest:
 
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS  # calibration of --compensate
 
+    @property
+    def auto_is_obs(self) -> bool:
+        """Whether --normalize auto splits the heads by what the refit cannot repair (obs): with a refit
+        to ask (--compensate and a finite --anchor), a number of heads and --scope global (the model's
+        loss, lm or mlm, is checked where the objective is known)."""
+        anchors = parse_anchor(self.anchor)
+        return (self.compensate and self.threshold is None and self.scope != "layer"
+                and any(a != float("inf") for a in (anchors if isinstance(anchors, tuple) else (anchors,))))
+
     def validate(self) -> None:
         _check_with_anchor(self)
         from ..errors import UsageError
 
-        compares = "," in self.normalize or (self.normalize == "auto" and self.compensate)
+        compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
         if self.allocation_margin and not compares:
             raise UsageError("--allocation-margin weighs a comparison of normalizations: give --normalize with "
-                             "several modes (or auto with --compensate)")
+                             "several modes, e.g. obs,layer,none")
         if "obs" in [m.strip() for m in self.normalize.split(",")]:
             why = ("needs --compensate (it allocates by what the refit repairs)" if not self.compensate else
                    "splits a number of heads: give --fraction or --num-heads, not --threshold"
