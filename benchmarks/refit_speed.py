@@ -11,6 +11,9 @@ In one run on one model (default SmolLM2-135M, float32, CPU), on the same N cali
 - `prune --compensate`: `prune(compensate=True)` of --fraction of the query heads (chosen from
   gradient scores computed beforehand, not timed in the step), heads chosen inside layers by
   the refit cost (the default), held-out blocks as for the merge;
+- `allocation obs`: the split of those heads over the layers that `--normalize obs` (prune's
+  default with `--compensate`) makes before the refit: one forward and backward pass for the
+  statistics, then each layer's refit error per count (`obs_selection`, anchor 1 as prune's default);
 - `self-generation`: `self_blocks` sampling N blocks of --seq-len tokens from the model
   (`--data self:N`: batched generation with a KV cache, the cache on disk bypassed). It samples
   whole groups (32 blocks of 128 tokens), so N = 16 samples 32: twice the forward's tokens,
@@ -32,6 +35,8 @@ import copy
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -47,11 +52,12 @@ from headtool.measure.calibration import attention_input_grams
 from headtool.measure.scoring import score_heads
 from headtool.model.loading import load_model, model_from_object
 from headtool.surgery import merging
+from headtool.surgery.obs_allocation import obs_selection
 from headtool.surgery.pruning import prune
 from headtool.surgery.selection import Target, select_heads
 
 RESULTS = Path(__file__).parent / "results" / "refit_speed.json"
-STEPS = ("fit", "aligned", "compensate", "selfgen")
+STEPS = ("fit", "aligned", "compensate", "obs", "selfgen")
 
 
 def _timed(fn):
@@ -126,15 +132,23 @@ def main() -> None:
                          "with_grams_s": s + grams_s,
                          "refit_layers_kept": None if conv.refit is None else sum(r["kept"] for r in conv.refit)})
             del conv
-    if "compensate" in steps:
+    if {"compensate", "obs"} & set(steps):
         scores = score_heads(lm.model, lm.adapter, cal.batches, method="gradient", objective="lm").scores
         sel = select_heads(scores, lm.geometry, Target(fraction=a.fraction))
+    if "compensate" in steps:
         model = copy.deepcopy(lm.model)
         res, s = _timed(lambda: prune(model_from_object(model, lm.tokenizer), sel, calib_batches=cal.batches,
                                       heldout_batches=held_batches, compensate=True, **kw))
         rows.append({"step": f"prune {a.fraction:g} --compensate", "seconds": s,
                      "refit_layers_kept": sum(r["kept"] for r in res.compensation)})
         del model
+    if "obs" in steps:
+        target = Target(fraction=a.fraction)
+        obs, s = _timed(lambda: obs_selection(lm.model, lm.adapter, lm.geometry, scores, target,
+                                              sel.num_removed(lm.geometry), cal.batches, "lm", damping=1e-2,
+                                              anchor=1.0))
+        rows.append({"step": "allocation obs", "seconds": s, "removed_per_layer": [
+            len(r) for r in obs.selection.removed(lm.geometry)]})
     if "selfgen" in steps:
         sb, s = _timed(lambda: self_blocks(lm.model, lm.tokenizer, a.blocks, a.seq_len, seed=0, cache=False))
         # whole groups are sampled (selfgen.group_size): the row says how many, beside the count asked for
@@ -148,7 +162,8 @@ def main() -> None:
         r["x_forward"] = r["seconds"] / fwd_s
         if "with_grams_s" in r:
             r["with_grams_x_forward"] = r["with_grams_s"] / fwd_s
-    doc = {"model": a.model, "source": a.source, "blocks": a.blocks, "heldout_blocks": n_held, "seq_len": a.seq_len,
+    doc = {"model": a.model, "command": shlex.join(["python", "benchmarks/refit_speed.py", *sys.argv[1:]]),
+           "source": a.source, "blocks": a.blocks, "heldout_blocks": n_held, "seq_len": a.seq_len,
            "batch_size": a.batch_size, "tokens": tokens, "kv_heads": a.kv_heads, "fraction": a.fraction,
            "anchor": a.anchor, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),

@@ -43,7 +43,7 @@ METHOD_HELP = ("gradient (default, Michel et al.) | ablation (exact loss increas
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
               "(smollm2-135m, all-minilm-l6-v2) or a hub id")
 SEQUENTIAL_HELP = ("models larger than the device: keep the model on CPU and move one layer at a time to --device "
-                   "for calibration (scoring and --eval-data run on CPU)")
+                   "for calibration (scoring, prune's obs statistics and --eval-data run on CPU)")
 _SEQ = "a whole-recipe key: `sequential: true` at the top of the recipe"
 _WRITE_ONCE = "a recipe writes its final model once: output, overwrite and shard_size are top-level keys"
 
