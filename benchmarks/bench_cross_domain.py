@@ -517,13 +517,6 @@ def main() -> None:
     print(render(doc))
 
 
-#: marks a row whose `--normalize auto` chose on the calibration's own held-out blocks (the rule before
-#: it compared on self text) and that was not rerun since
-EARLIER_RULE = "†"
-EARLIER_RULE_NOTE = (f"{EARLIER_RULE} `--normalize auto` chose on held-out blocks of the calibration's own source, "
-                     "its rule before it compared allocations on self text; measured before the change, not rerun.")
-
-
 #: marks a row whose `--normalize auto` compared layer,none with --compensate (before auto became obs)
 BEFORE_OBS = "‡"
 BEFORE_OBS_NOTE = (f"{BEFORE_OBS} `--normalize auto` with `--compensate` pruned with `layer` and `none` and kept the "
@@ -538,22 +531,13 @@ def auto_before_obs(row: dict) -> bool:
             and str(row.get("anchor")) != "inf")
 
 
-def chose_by_earlier_rule(row: dict) -> bool:
-    """Did `--normalize auto` choose this prune row's allocation by the earlier rule: candidates compared
-    on held-out blocks, none of another source given, and no record of the blocks (rows written since
-    record `compared_on`)?"""
-    a = row.get("allocation") or {}
-    compared = sum("heldout_loss" in c for c in a.get("candidates", [])) > 1
-    return compared and not row.get("heldout_data") and "compared_on" not in a
-
-
 def chosen_allocation(row: dict) -> str | None:
-    """What `--normalize auto` chose in a prune row (None: nothing compared), marked when it chose by
-    the earlier rule."""
+    """What `--normalize` chose in a prune row (None: nothing compared), marked when it was `auto`
+    comparing layer,none (before obs)."""
     chosen = (row.get("allocation") or {}).get("normalize")
     if chosen is None:
         return None
-    return chosen + (EARLIER_RULE if chose_by_earlier_rule(row) else "") + (BEFORE_OBS if auto_before_obs(row) else "")
+    return chosen + (BEFORE_OBS if auto_before_obs(row) else "")
 
 
 def self_judged_blocks(rows: list[dict]) -> int | None:
@@ -602,8 +586,6 @@ def render(doc: dict) -> str:
             return f"{v['data_seconds']:.0f} s + " + " + ".join(f"{m} {t:.0f} s" for m, t in sc.items())
         lines.append("Once per calibration, not in the rows' seconds (calibration text made or read, scores): "
                      + "; ".join(f"`{c}` {once(v)}" for c, v in doc["calibration"].items()) + ".")
-    if any(chose_by_earlier_rule(r) for r in doc["rows"]):
-        lines.append(EARLIER_RULE_NOTE)
     if any(auto_before_obs(r) for r in doc["rows"]):
         lines.append(BEFORE_OBS_NOTE)
     lines.append(f"`{doc['command']}`")

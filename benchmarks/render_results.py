@@ -60,15 +60,11 @@ def protect_section(doc: dict) -> str:
 
 
 def normalize_section(doc: dict) -> str:
-    from bench_cross_domain import (BEFORE_OBS, EARLIER_RULE, auto_before_obs, chose_by_earlier_rule, render,
-                                    self_judged_blocks)
+    from bench_cross_domain import BEFORE_OBS, auto_before_obs, render, self_judged_blocks
 
     st = doc["settings"]
-    earlier = any(chose_by_earlier_rule(r) for r in doc["rows"])
     before = any(auto_before_obs(r) for r in doc["rows"])
-    judged = (f"on held-out blocks of the calibration source (a quarter of the calibration, {st['cal'] // 4} "
-              f"blocks after it: the rule when this table was measured, {EARLIER_RULE})" if earlier else
-              f"on {self_judged_blocks(doc['rows'])} blocks of self text that the calibration did not read")
+    judged = f"on {self_judged_blocks(doc['rows'])} blocks of self text that the calibration did not read"
     return "\n".join([
         f"### How many heads each layer loses (`--normalize`): SmolLM2-135M, {st['cal']} calibration blocks, "
         "no training",
@@ -88,8 +84,7 @@ def normalize_section(doc: dict) -> str:
 def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
-    from bench_cross_domain import (BEFORE_OBS, BEFORE_OBS_NOTE, EARLIER_RULE_NOTE, auto_before_obs,
-                                    chose_by_earlier_rule, chosen_allocation, self_judged_blocks)
+    from bench_cross_domain import BEFORE_OBS, BEFORE_OBS_NOTE, auto_before_obs, chosen_allocation, self_judged_blocks
 
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
@@ -103,7 +98,6 @@ def calibration_size_section(docs: list[dict]) -> str:
     cal = docs[0]["settings"]["calibrations"][0]
     sizes = sorted({doc["settings"]["cal"] for doc in docs})
     prunes = [r for doc in docs for r in doc["rows"] if r["kind"] == "prune"]
-    earlier = any(chose_by_earlier_rule(r) for r in prunes)
     lines = [
         "### How much calibration text, and which (`--max-samples`, the sample): SmolLM2-135M, heads removed "
         "with `--compensate`, no training",
@@ -135,8 +129,7 @@ def calibration_size_section(docs: list[dict]) -> str:
             cells = [f"{r['eval'][n]['ratio']:.2f}x" if n in r["eval"] else "-" for n in names]
             lines.append(f"| {blocks} | {seed} | {r['fraction']:.0%} ({r['heads_removed']}), chose {chosen} | "
                          + " | ".join(cells) + f" | {scores:.0f} + {r['seconds']:.0f} |")
-    lines += [""] + ([EARLIER_RULE_NOTE] if earlier else []) + \
-        ([BEFORE_OBS_NOTE] if any(auto_before_obs(r) for r in prunes) else []) + ["Commands:"] + [f"`{doc['command']}`" for doc in docs]
+    lines += [""] + ([BEFORE_OBS_NOTE] if any(auto_before_obs(r) for r in prunes) else []) + ["Commands:"] + [f"`{doc['command']}`" for doc in docs]
     return "\n".join(lines)
 
 

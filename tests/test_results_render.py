@@ -172,23 +172,6 @@ def test_the_calibration_size_runs_render_as_one_table_in_block_order():
     assert text.count("### ") == 1
 
 
-def test_rows_chosen_by_the_earlier_allocation_rule_are_marked():
-    """A prune row whose --normalize auto compared candidates on the calibration's own held-out blocks
-    (no `compared_on`: written before auto compared on self text) is marked, and the note says why;
-    a row that records its blocks, or chose on --heldout-data, or compared nothing, is not."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_cross_domain import EARLIER_RULE, EARLIER_RULE_NOTE, chosen_allocation
-
-    cands = [{"normalize": "layer", "heldout_loss": 3.1}, {"normalize": "none", "heldout_loss": 3.2}]
-    old = {"allocation": {"normalize": "layer", "candidates": cands}}
-    assert chosen_allocation(old) == "layer" + EARLIER_RULE
-    assert chosen_allocation({"allocation": {"normalize": "layer", "candidates": cands,
-                                             "compared_on": {"source": "self"}}}) == "layer"
-    assert chosen_allocation({**old, "heldout_data": "self"}) == "layer"
-    assert chosen_allocation({"allocation": {"normalize": "none", "candidates": [{"normalize": "none"}]}}) == "none"
-    assert chosen_allocation({}) is None and "not rerun" in EARLIER_RULE_NOTE
-
-
 def test_rows_where_auto_compared_layer_and_none_are_marked_as_before_obs():
     """Since --normalize auto is obs with --compensate, a refit row whose auto compared layer,none
     (measured before) is marked in the tables and the note says so; an obs row, an explicit
@@ -204,6 +187,7 @@ def test_rows_where_auto_compared_layer_and_none_are_marked_as_before_obs():
     assert chosen_allocation({**old, "normalize": "layer,none"}) == "layer"
     assert chosen_allocation({**old, "anchor": "inf"}) == "layer"  # auto still compares without a refit
     assert chosen_allocation({**old, "allocation": {"normalize": "obs", "candidates": [{"normalize": "obs"}]}}) == "obs"
+    assert chosen_allocation({}) is None
     ev = {"news": {"perplexity": 2.0, "ratio": 1.0}}
     doc = {"order": ["news"], "domains": {"news": {"eval": {"samples": 1, "seq_len": 8}, "blocks_available": 2}},
            "calibration": {}, "command": "python benchmarks/bench_cross_domain.py",
