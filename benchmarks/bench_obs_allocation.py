@@ -40,17 +40,20 @@ LISTED = ("obs", "layer", "none")  # obs with auto's two modes, judged as prune 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sample_options(ap, fractions="0.25,0.5", out="obs_allocation.json")
+    ap.add_argument("--anchor-power", type=float, default=0.0,
+                    help="prune --anchor-power (its table then sets these rows beside obs without it)")
     a = ap.parse_args()
     run = start(a)
     lm, tok = run.lm, run.lm.tokenizer
-    doc = document(run, "bench_obs_allocation.py", CALIBRATION)
+    doc = document(run, "bench_obs_allocation.py", CALIBRATION, anchor_power=a.anchor_power)
     for seed in run.seeds:
         sample = run.scored(CALIBRATION, seed)
         spec, scores, score_s, judge = sample.spec, sample.scores, sample.score_seconds, sample.judge
         for fraction in run.fractions:
             t0 = time.perf_counter()
             plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
-            req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize="obs")
+            req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize="obs",
+                               anchor_power=a.anchor_power)
             done = prune_loaded(plm, req, scores=scores, text_model=lm)
             prune_s = time.perf_counter() - t0
             verdict = evaluate(plm.model, judge, "lm", label="judge obs", per_block=True)
@@ -60,12 +63,13 @@ def main() -> None:
                    "judge_block_weights": verdict["block_weights"],
                    "removed_per_layer": removed_per_layer(done.result),
                    "statistics_seconds": done.result.allocation["obs"]["seconds"],
-                   "prune_seconds": round(prune_s, 1), "eval": run.ratios(plm.model)}
+                   "prune_seconds": round(prune_s, 1), "eval": run.ratios(plm.model),
+                   "anchors": [r.get("anchor") for r in done.result.compensation]}
             doc["rows"].append(row)
             run.clock.log(f"seed {seed} {fraction:.0%} obs: judge {row['judge_loss']:.4f}, " + " / ".join(
                 f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
             run.save(doc)
-    print(render(doc, baselines()))
+    print(render_power(doc, obs_rows()) if a.anchor_power else render(doc, baselines()))
 
 
 def baselines(folder: Path = HERE / "results") -> dict:
@@ -115,15 +119,58 @@ def render(doc: dict, base: dict) -> str:
             names = {"obs": "`obs`", "auto": "`auto` (layer,none)", "margin": "`layer,geometric,none` margin 1",
                      "list": f"`{','.join(LISTED)}` (the judge's pick)"}
             for key, name in names.items():
-                got = picks[(fraction, key)]
-                wins = ""
-                if key == "obs":
-                    wins = " (samples where obs beat auto: " + ", ".join(
-                        f"{sum(o[n]['ratio'] < au[n]['ratio'] for o, au in zip(got, picks[(fraction, 'auto')]))}/"
-                        f"{len(got)} {n}" for n in order) + ")"
-                lines.append(f"| {fraction:.0%} | geometric mean of {len(rows)} | {name}{wins} | | "
-                             + " | ".join(f"**{geomean([e[n]['ratio'] for e in got]):.3f}x**" for n in order)
-                             + " | | |")
+                lines.append(mean_line(fraction, name, picks[(fraction, key)], order,
+                                       picks[(fraction, "auto")] if key == "obs" else None,
+                                       "samples where obs beat auto"))
+    return "\n".join(lines)
+
+
+def mean_line(fraction: float, name: str, got: list[dict], order: list[str], beaten: list[dict] | None = None,
+              wins: str = "") -> str:
+    """A table's geometric-mean row over the samples' evaluations `got`; with `beaten` (the same samples'
+    evaluations of another rule) how many samples were better, per set."""
+    count = "" if beaten is None else f" ({wins}: " + ", ".join(
+        f"{sum(g[n]['ratio'] < b[n]['ratio'] for g, b in zip(got, beaten))}/{len(got)} {n}" for n in order) + ")"
+    return (f"| {fraction:.0%} | geometric mean of {len(got)} | {name}{count} | | "
+            + " | ".join(f"**{geomean([e[n]['ratio'] for e in got]):.3f}x**" for n in order) + " | | |")
+
+
+def obs_rows(folder: Path = HERE / "results") -> dict:
+    """Rows of obs_allocation*.json pruned without --anchor-power, by (seed, fraction)."""
+    rows = {}
+    for path in sorted(folder.glob("obs_allocation*.json")):
+        doc = json.loads(path.read_text())
+        if not doc["settings"].get("anchor_power"):
+            rows.update({(r["seed"], r["fraction"]): r for r in doc["rows"]})
+    return rows
+
+
+def render_power(doc: dict, plain: dict) -> str:
+    """Per fraction and sample: obs with --anchor-power P beside obs without it (the same calibration,
+    judge and evaluation blocks), the judge loss's paired difference, then geometric means and wins."""
+    order = doc["order"]
+    power = doc["settings"]["anchor_power"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    lines = ["| removed | calibration sample | `--anchor-power` | judge loss (self text; paired difference from "
+             "power 0 ± one standard error) | " + " | ".join(labels) + " | heads a layer lost (the counts that "
+             "occur) | seconds of the prune |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in order) + " | --- | ---: |"]
+    for fraction in doc["settings"]["fractions"]:
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in plain]
+        for r in rows:
+            b = plain[(r["seed"], fraction)]
+            diff, se = paired_difference(r["judge_block_sums"], b["judge_block_sums"], b["judge_block_weights"])
+            for p, judge, row in ((power, f"{r['judge_loss']:.4f} ({diff:+.4f} ± {se:.4f})", r),
+                                  (0, f"{b['judge_loss']:.4f}", b)):
+                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {p:g} | {judge} | "
+                             + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
+                             + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | "
+                             f"{row['prune_seconds']:.0f} |")
+        if len(rows) > 1:
+            without = [plain[(r["seed"], fraction)]["eval"] for r in rows]
+            lines.append(mean_line(fraction, f"{power:g}", [r["eval"] for r in rows], order, without,
+                                   "samples better than power 0"))
+            lines.append(mean_line(fraction, "0", without, order))
     return "\n".join(lines)
 
 

@@ -196,9 +196,26 @@ def allocation_section(doc: dict) -> str:
 
 
 def obs_allocation_section(doc: dict) -> str:
-    from bench_obs_allocation import baselines, render
+    from bench_obs_allocation import baselines, obs_rows, render, render_power
 
     st = doc["settings"]
+    if st.get("anchor_power"):
+        return "\n".join([
+            f"### A freer refit where a layer lost more heads (`--anchor-power {st['anchor_power']:g}`): SmolLM2-135M, "
+            f"samples {_seed_span(st['seeds'])}, no training",
+            "",
+            f"The prunes of the table above (`--normalize obs`, 64 blocks of `{st['calibration']}`, the same "
+            f"calibration samples, judge and evaluation blocks) with each pruned layer's anchor times (kept heads / "
+            f"heads)^{st['anchor_power']:g}: a layer that keeps 3 of its 9 heads is refit at a ninth of the anchor "
+            "when the power is 2; the counts per layer and the heads inside each layer are still chosen at the "
+            "anchor itself (costed at the freer anchors, the split piled the heads into fewer layers and lost on "
+            "seeds 0-1). Beside every sample, the row without the power; the judge loss carries its paired "
+            "difference from that row's. Seconds: the whole prune, each from its own run (not compared).",
+            "",
+            render_power(doc, obs_rows(RESULTS)),
+            "",
+            f"`{doc['command']}`",
+        ])
     return "\n".join([
         "### Heads per layer from what the refit cannot repair (`--normalize obs`): SmolLM2-135M, samples "
         f"{_seed_span(st['seeds'])}, no training",

@@ -104,3 +104,33 @@ def test_the_obs_table_sets_each_sample_beside_what_the_scores_kept():
     assert "geometric mean of 2 | `auto` (layer,none) | | **1.600x** |" in table
     # obs,layer,none as prune would judge it: obs's judge loss 3.0 is the lowest in both samples
     assert "geometric mean of 2 | `obs,layer,none` (the judge's pick) | | **1.597x** |" in table
+
+
+def test_the_anchor_power_table_sets_each_sample_beside_obs_without_it():
+    """bench_obs_allocation --anchor-power P: each sample beside the obs row without the power (the same
+    judge blocks: the paired difference), geometric means and the samples where the power helped; a
+    results file with a power is no baseline for another."""
+    from bench_obs_allocation import obs_rows, render_power
+
+    def row(seed, sums, news, removed):
+        return {"seed": seed, "fraction": 0.5, "heads_removed": 135, "judge_loss": sum(sums) / 20,
+                "judge_block_sums": sums, "judge_block_weights": [10.0, 10.0], "removed_per_layer": removed,
+                "prune_seconds": 70.0, "eval": {"news": {"ratio": news}}}
+    plain = {(s, 0.5): row(s, [30.0, 32.0], news, [0, 6]) for s, news in ((0, 1.6), (1, 1.5))}
+    doc = {"order": ["news"], "domains": {"news": {"label": "news"}},
+           "settings": {"fractions": [0.5], "anchor_power": 2.0},
+           "rows": [row(0, [29.0, 31.5], 1.5, [0, 3, 6]), row(1, [30.0, 32.4], 1.56, [0, 6])]}
+    table = render_power(doc, plain)
+    assert "| 50% (135) | 0 | 2 | 3.0250 (-0.0750 ± 0.0250) | 1.500x | 0, 3, 6 | 70 |" in table
+    assert "| 50% (135) | 0 | 0 | 3.1000 | 1.600x | 0, 6 | 70 |" in table
+    assert "| 50% | geometric mean of 2 | 2 (samples better than power 0: 1/2 news) | | **1.530x** |" in table
+    assert "| 50% | geometric mean of 2 | 0 | | **1.549x** |" in table
+
+    import json
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        for name, power, rows in (("obs_allocation.json", 0.0, [plain[(0, 0.5)]]),
+                                  ("obs_allocation_power2.json", 2.0, doc["rows"])):
+            (Path(d) / name).write_text(json.dumps({"settings": {"anchor_power": power}, "rows": rows}))
+        assert obs_rows(Path(d)) == {(0, 0.5): plain[(0, 0.5)]}

@@ -379,3 +379,34 @@ def test_convert_with_anchor_inf_is_the_merge_without_refit_bit_for_bit():
     assert not any(r["kept"] for r in inf.refit)
     ref = plain.model.state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in inf.model.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(family):
+    """--anchor-power P: a layer that keeps k of h heads is refit with anchor x (k/h)^P (a layer that
+    keeps all of them, refit with --refit-layers all, with the anchor as given); P = 0 is today's prune
+    bit for bit."""
+    base = tiny_model(family, num_key_value_heads=4).eval() if family == "llama" else tiny_model(family).eval()
+    adapter = adapter_for(base.config)
+    geo = adapter.geometry(base.config)
+    h = geo[0].num_heads
+    kept = [(0,), tuple(range(h)), tuple(range(h - 1))]
+    selection = Selection.from_kept(geo, kept)
+
+    def run(**kw):
+        m = copy.deepcopy(base)
+        res = prune(SimpleNamespace(model=m, adapter=adapter), selection, calib_batches=_blocks(1, 200, 1),
+                    compensate=True, choose_in_layer="scores", refit_layers="all", anchor=0.5, **kw)
+        return m, {r["layer"]: r for r in res.compensation}
+    m0, _ = run()
+    m_zero, _ = run(anchor_power=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m_zero.state_dict().values()))
+    m2, rows = run(anchor_power=2.0)
+    expected = {0: 0.5 / h ** 2, 1: 0.5, 2: 0.5 * ((h - 1) / h) ** 2}
+    for layer, strength in expected.items():
+        assert rows[layer]["anchor"] in (pytest.approx(strength), None)
+    assert rows[0]["anchor"] == pytest.approx(expected[0])  # the layer left with one head takes its refit
+    assert not all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m2.state_dict().values()))
+    with pytest.raises(UsageError, match="anchor-power"):
+        prune(SimpleNamespace(model=copy.deepcopy(base), adapter=adapter), selection,
+              calib_batches=_blocks(1, 200, 1), compensate=True, anchor_power=-1.0)

@@ -148,3 +148,21 @@ def test_obs_on_other_families(family, tmp_path):
     a = doc["allocation"]
     assert a["normalize"] == "obs" and all(v > 0 for v in a["obs"]["layer_sensitivity"])
     assert sum(a["candidates"][0]["removed_per_layer"]) == doc["heads_removed"] > 0
+
+
+def test_anchor_power_is_recorded_and_needs_compensate(src, tmp_path):
+    out = tmp_path / "out"
+    r = _run("prune", src, "--fraction", "0.5", "--compensate", "--anchor-power", "2", *COMMON, "-o", out)
+    assert r.exit_code == 0, r.output
+    meta = json.loads((out / "headtool.json").read_text())
+    assert meta["options"]["anchor_power"] == 2.0 and meta["summary"]["allocation"]["normalize"] == "obs"
+    kept = {i: len(k) for i, k in enumerate(meta["kept_heads"])}
+    rows = [c for c in meta["summary"]["compensation"] if c["anchor"] is not None]
+    assert rows and all(c["anchor"] == pytest.approx((kept[c["layer"]] / 4) ** 2) for c in rows)
+    # the counts (and the heads) are chosen at the anchor itself: the power only frees the refit
+    plain = _run("prune", src, "--fraction", "0.5", "--compensate", *COMMON, "-o", tmp_path / "plain")
+    assert plain.exit_code == 0, plain.output
+    assert json.loads((tmp_path / "plain" / "headtool.json").read_text())["kept_heads"] == meta["kept_heads"]
+    bad = _run("prune", src, "--fraction", "0.5", "--anchor-power", "2", *COMMON, "--dry-run")
+    assert bad.exit_code == 2 and "--anchor-power" in bad.stderr and "needs --compensate" in bad.stderr
+    assert "Traceback" not in bad.output

@@ -228,6 +228,20 @@ def anchor_candidates(anchor: float | Sequence[float]) -> list[float]:
     return sorted(out | {math.inf}, reverse=True)
 
 
+def kept_share_anchor(anchor: float | Sequence[float], kept: int, heads: int,
+                      power: float) -> float | Sequence[float]:
+    """A pruned layer's anchor under --anchor-power: every strength times (kept / heads) ** power,
+    so a layer that lost most of its heads gets a freer refit (its few remaining heads must carry
+    what the others did; measured out of domain on SmolLM2, see prune --anchor-power). power 0:
+    the anchor as given."""
+    if not power:
+        return anchor
+    factor = (kept / heads) ** power
+    if isinstance(anchor, (int, float)):
+        return anchor * factor
+    return tuple(a * factor for a in anchor)
+
+
 def _label(a: float) -> str:
     return f"{a:g}"
 
@@ -412,6 +426,7 @@ def sequential_refit(
     heldout_batches: Sequence[dict] | None = None,
     on_layer: OnLayer | None = None,
     device: torch.device | str | None = None,
+    layer_anchor: Callable[[int], float | Sequence[float]] | None = None,
 ) -> list[dict]:
     """Refit `modified`'s output projections, layer by layer, to reproduce `original`'s.
 
@@ -426,7 +441,8 @@ def sequential_refit(
     Returns per layer {layer, rel_error_before, rel_error_after, tokens, kept, anchor} (and
     the held-out errors when `heldout_batches` are given; every candidate's judged error when
     there are several). `original` may be `modified` itself when `on_layer` makes the
-    changes: each layer's targets are taken before `on_layer` touches it.
+    changes: each layer's targets are taken before `on_layer` touches it. `layer_anchor(layer)`,
+    asked after `on_layer`, overrides `anchor` per layer (prune's --anchor-power).
 
     The layers are replayed one at a time on cached hidden states (layerwise.py): one pass
     per layer and model. With `device`, the models stay where they are (e.g. on CPU, hidden
@@ -457,7 +473,8 @@ def sequential_refit(
                 stats = stats.restrict(columns)
                 held = held.restrict(columns) if held is not None else None
             module = adapter.o_proj_module(modified, layer)
-            w_new, rec = choose_anchor(stats, o_proj_matrix(adapter, module), damping, anchor, held)
+            strength = layer_anchor(layer) if layer_anchor is not None else anchor
+            w_new, rec = choose_anchor(stats, o_proj_matrix(adapter, module), damping, strength, held)
             row = {"layer": layer, "rel_error_before": rec.pop("rel_error_before"),
                    "rel_error_after": rec.pop("rel_error_after"), "tokens": stats.tokens, **rec}
             if w_new is not None:

@@ -10,6 +10,7 @@ The model is changed in place; `write_output` in checkpoint.py saves it.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from itertools import chain
@@ -27,6 +28,7 @@ from ..model.resize import resize_attention
 from .compensation import (
     DEFAULT_ANCHOR,
     anchor_candidates,
+    kept_share_anchor,
     o_columns,
     o_proj_matrix,
     refit_table,
@@ -159,6 +161,7 @@ def prune(
     refit_layers: str = "pruned",
     damping: float = 1e-2,
     anchor: float | Sequence[float] = DEFAULT_ANCHOR,
+    anchor_power: float = 0.0,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
     calib_device=None,
@@ -179,6 +182,9 @@ def prune(
     without them, on the calibration batches). A layer keeps its refit only where it lowers
     that error. The default, compensation.DEFAULT_ANCHOR (1), held up best on text the
     calibration never saw. Heads are chosen ('refit') for the weakest finite candidate.
+    `anchor_power` P scales a layer's refit anchor by (kept heads / heads) ** P
+    (compensation.kept_share_anchor): the more heads a layer loses, the freer its refit. Which heads
+    go is still chosen at `anchor` (costed at the freer anchor, the choices held up worse).
     """
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
@@ -188,6 +194,8 @@ def prune(
         raise UsageError("--compensate needs calibration data (--data)")
     if damping <= 0:
         raise UsageError(f"--damping must be positive (got {damping})")
+    if anchor_power < 0 or math.isnan(anchor_power):
+        raise UsageError(f"--anchor-power must be >= 0 (got {anchor_power:g})")
     candidates = anchor_candidates(anchor)
     cost_anchor = min(candidates)  # inf only when no refit is a candidate
     t0 = time.perf_counter()
@@ -202,11 +210,13 @@ def prune(
     report: list[dict] = []
     if compensate:
         kept_final: list[tuple[int, ...]] = list(selection.kept)
+        layer_anchors: dict[int, float | Sequence[float]] = {}
 
         def on_layer(layer: int, stats, held) -> list[int]:
             geo = geometry[layer]
             kept = list(selection.kept[layer])
             n_remove = geo.num_heads - len(kept)
+            layer_anchors[layer] = kept_share_anchor(anchor, len(kept), geo.num_heads, anchor_power)
             if choice == "refit" and n_remove:
                 w0 = o_proj_matrix(adapter, adapter.o_proj_module(model, layer)) if cost_anchor else None
                 cost = removal_cost(stats, damping, adapter, geo, anchor=cost_anchor, w0=w0)
@@ -218,7 +228,8 @@ def prune(
 
         layers = [i for i, g in enumerate(geometry) if refit_layers == "all" or len(selection.kept[i]) < g.num_heads]
         report = sequential_refit(model, model, adapter, calib_batches, layers=layers, damping=damping,
-                                  anchor=anchor, heldout_batches=heldout_batches, on_layer=on_layer, device=calib_device)
+                                  anchor=anchor, heldout_batches=heldout_batches, on_layer=on_layer, device=calib_device,
+                                  layer_anchor=layer_anchors.__getitem__)
         done = set(layers)
         for i, g in enumerate(geometry):  # layers that were not refit are still pruned
             if i not in done:

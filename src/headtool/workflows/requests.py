@@ -205,6 +205,9 @@ class PruneRequest:
     damping: float = option(1e-2, "ridge damping, relative to the mean diagonal of the Gram matrix", min=0,
                             panel=_C)
     anchor: str = option("1", ANCHOR_HELP, panel=_C)
+    anchor_power: float = option(0.0, "each pruned layer's --anchor times (kept heads / heads) ^ P: the more "
+                                 "heads a layer loses, the freer its refit (0: one anchor for every layer)",
+                                 min=0, panel=_C)
     heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
                                   "none); 0: no check, unless --heldout-data (then a quarter of the calibration)",
                                   min=0, panel=_C)
@@ -238,6 +241,8 @@ class PruneRequest:
         _check_with_anchor(self)
         from ..errors import UsageError
 
+        if self.anchor_power and not self.compensate:
+            raise UsageError("--anchor-power scales the refit's anchor: it needs --compensate")
         compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
         if self.allocation_margin and not compares:
             raise UsageError("--allocation-margin weighs a comparison of normalizations: give --normalize with "
