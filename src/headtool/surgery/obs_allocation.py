@@ -38,7 +38,7 @@ from ..errors import UsageError
 from ..measure.objectives import objective_losses, forward_output
 from ..measure.scoring import scoring_mode
 from .compensation import LayerStats, o_proj_matrix, removal_cost
-from .selection import Selection, Target, choose_removal, layer_steps
+from .selection import Selection, Target, choose_removal, layer_steps, selection_from_steps
 
 
 @dataclass
@@ -189,8 +189,6 @@ def obs_selection(model: nn.Module, adapter: Adapter, geometry: Sequence[LayerHe
     split = split_counts(costs, counts, total)
     if split is None:
         raise UsageError(f"no split of {total} heads over the layers' removal steps exists")
-    kept = []
-    for geo, st, ns, n in zip(geometry, steps, counts, split):
-        gone = {h for s in st[:ns.index(n)] for h in s}  # counts are the steps' running totals
-        kept.append([h for h in range(geo.num_heads) if h not in gone])
-    return ObsAllocation(Selection.from_kept(geometry, kept), per_token, sens.seconds + time.perf_counter() - t0)
+    taken = [ns.index(n) for ns, n in zip(counts, split)]  # counts are the steps' running totals
+    return ObsAllocation(selection_from_steps(geometry, steps, taken), per_token,
+                         sens.seconds + time.perf_counter() - t0)

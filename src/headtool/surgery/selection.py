@@ -267,9 +267,15 @@ def select_heads(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHead
             chosen = ranked[:_closest_prefix([r[3] for r in ranked], want)]
         for _, i, j, _ in chosen:
             taken[i] = max(taken[i], j + 1)  # step order inside a layer is weakest first
+    return selection_from_steps(geometry, allowed, taken)
+
+
+def selection_from_steps(geometry: Sequence[LayerHeads], steps: Sequence[Sequence[Sequence[int]]],
+                         taken: Sequence[int]) -> Selection:
+    """The heads every layer keeps once its first taken[i] removal steps (`layer_steps`) are gone."""
     kept = []
-    for i, g in enumerate(geometry):
-        gone = {h for st in allowed[i][:taken[i]] for h in st}
+    for g, st, n in zip(geometry, steps, taken):
+        gone = {h for step in st[:n] for h in step}
         kept.append([h for h in range(g.num_heads) if h not in gone])
     return Selection.from_kept(geometry, kept)
 

@@ -229,13 +229,17 @@ class PruneRequest:
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS  # calibration of --compensate
 
     @property
+    def refits(self) -> bool:
+        """Whether --anchor leaves a refit to make: some candidate strength is finite (inf alone: none)."""
+        anchors = parse_anchor(self.anchor)
+        return any(a != float("inf") for a in (anchors if isinstance(anchors, tuple) else (anchors,)))
+
+    @property
     def auto_is_obs(self) -> bool:
         """Whether --normalize auto splits the heads by what the refit cannot repair (obs): with a refit
         to ask (--compensate and a finite --anchor), a number of heads and --scope global (the model's
         loss, lm or mlm, is checked where the objective is known)."""
-        anchors = parse_anchor(self.anchor)
-        return (self.compensate and self.threshold is None and self.scope != "layer"
-                and any(a != float("inf") for a in (anchors if isinstance(anchors, tuple) else (anchors,))))
+        return self.compensate and self.threshold is None and self.scope != "layer" and self.refits
 
     def validate(self) -> None:
         _check_with_anchor(self)
@@ -252,7 +256,7 @@ class PruneRequest:
                    "splits a number of heads: give --fraction or --num-heads, not --threshold"
                    if self.threshold is not None else
                    "splits heads over the layers: it does not go with --scope layer" if self.scope == "layer" else
-                   "needs a refit: an --anchor other than inf" if self.anchor.strip() == "inf" else None)
+                   "needs a refit: an --anchor other than inf" if not self.refits else None)
             if why:
                 raise UsageError(f"--normalize obs {why}")
 
