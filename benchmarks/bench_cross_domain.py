@@ -93,7 +93,7 @@ from headtool.model.refs import cache_dir
 from headtool.surgery.merging import summary_figures
 from headtool.workflows.convert_gqa import convert_loaded
 from headtool.workflows.prune import prune_loaded
-from headtool.workflows.requests import ConvertRequest, PruneRequest, ScoreRequest
+from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, ConvertRequest, PruneRequest, ScoreRequest
 from headtool.workflows.score import score_loaded
 
 HERE = Path(__file__).resolve().parent
@@ -470,7 +470,8 @@ def main() -> None:
             add({"change": f"{fraction:.0%} of query heads removed", "kind": "prune", "fraction": fraction,
                  "calibration": cal_source, "calibrated_on": calibrated_on, "scores": method,
                  "heads_removed": s["heads_removed"],
-                 "compensate": compensate, "anchor": anchor if compensate else None, "heldout_data": heldout,
+                 "compensate": compensate, "anchor": anchor if compensate else None,
+                 "anchor_power": req.power if compensate else None, "heldout_data": heldout,
                  "protect_layers": protect, "normalize": normalize, "allocation": done.result.allocation,
                  "removed_per_layer": [len(r) for r in done.result.selection.removed(
                      done.result.geometry_before)],
@@ -531,6 +532,14 @@ def auto_before_obs(row: dict) -> bool:
             and str(row.get("anchor")) != "inf")
 
 
+def anchor_power_of(row: dict) -> float | None:
+    """The --anchor-power a refit prune row ran at (rows written before the option: 0, one anchor for
+    every layer); None for a row without a refit."""
+    if not row.get("compensate"):
+        return None
+    return row.get("anchor_power", 0.0)
+
+
 def chosen_allocation(row: dict) -> str | None:
     """What `--normalize` chose in a prune row (None: nothing compared), marked when it was `auto`
     comparing layer,none (before obs)."""
@@ -562,7 +571,10 @@ def render(doc: dict) -> str:
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
-            change += f", `--compensate --anchor {r.get('anchor') or 0}`" if r.get("compensate") else ", no refit"
+            power = anchor_power_of(r)
+            power_flag = f" --anchor-power {power:g}" if power not in (None, DEFAULT_ANCHOR_POWER) else ""
+            change += (f", `--compensate --anchor {r.get('anchor') or 0}{power_flag}`" if r.get("compensate")
+                       else ", no refit")
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
             if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)
                 chosen = chosen_allocation(r)

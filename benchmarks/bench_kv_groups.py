@@ -79,7 +79,8 @@ def main() -> None:
     for name in base:
         if not math.isclose(base[name]["loss"], expanded[name]["loss"], rel_tol=1e-5):
             raise SystemExit(f"the expanded model differs on {name}: {base[name]} vs {expanded[name]}")
-    doc = {**document(run, "bench_kv_groups.py", CALIBRATION), "variants": VARIANTS}
+    doc = {**document(run, "bench_kv_groups.py", CALIBRATION,
+                    anchor_power=PruneRequest(model=cross.MODEL, compensate=True).power), "variants": VARIANTS}
     for seed in run.seeds:
         spec = run.calibration(CALIBRATION, seed)
         removed: dict[float, int] = {}

@@ -3,7 +3,8 @@ calibration sample, against the allocations from scores that bench_allocation me
 
 For every calibration sample (bench_cross_domain --seed) and fraction, SmolLM2-135M is pruned at prune's
 defaults (gradient scores on 64 blocks of `builtin:pydoc+self`, `--compensate --anchor 1`, the first
-layer protected) with `--normalize obs`, judged on the 64 blocks of self text a list of modes is judged
+layer protected) with `--normalize obs` and `--anchor-power 0` unless given (one anchor for every layer, the
+default when obs_allocation.json was made: the rows every --anchor-power table compares with), judged on the 64 blocks of self text a list of modes is judged
 on (so its paired difference from `auto`'s pick is known: bench_allocation recorded those blocks' losses
 for the same samples), and evaluated out of domain as bench_cross_domain.py. The table puts every sample
 beside what `auto` and `layer,geometric,none --allocation-margin 1` kept in benchmarks/results/
@@ -41,7 +42,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sample_options(ap, fractions="0.25,0.5", out="obs_allocation.json")
     ap.add_argument("--anchor-power", type=float, default=0.0,
-                    help="prune --anchor-power (its table then sets these rows beside obs without it)")
+                    help="prune --anchor-power (default 0 here, not prune's: its table then sets these rows "
+                         "beside obs without it)")
     a = ap.parse_args()
     run = start(a)
     lm, tok = run.lm, run.lm.tokenizer

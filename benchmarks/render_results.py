@@ -84,7 +84,8 @@ def normalize_section(doc: dict) -> str:
 def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
-    from bench_cross_domain import BEFORE_OBS, BEFORE_OBS_NOTE, auto_before_obs, chosen_allocation, self_judged_blocks
+    from bench_cross_domain import (BEFORE_OBS, BEFORE_OBS_NOTE, anchor_power_of, auto_before_obs, chosen_allocation,
+                                    self_judged_blocks)
 
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
@@ -106,7 +107,9 @@ def calibration_size_section(docs: list[dict]) -> str:
         + (f"`--normalize auto` as it was when these ran, `layer,none` choosing on {self_judged_blocks(prunes)} "
            f"blocks of self text the calibration did not read ({BEFORE_OBS})" if any(auto_before_obs(r) for r in prunes)
            else "`--normalize auto`")
-        + ", `--anchor 1`, the first layer protected) calibrated on "
+        + ", `--anchor 1`"
+        + (" `--anchor-power 0` (the default then)" if any(anchor_power_of(r) == 0 for r in prunes) else "")
+        + ", the first layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
         "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
         "which self text; every other table uses seed 0, and a larger calibration adds blocks to the same ones). "
@@ -198,6 +201,8 @@ def allocation_section(doc: dict) -> str:
 def obs_allocation_section(doc: dict) -> str:
     from bench_obs_allocation import baselines, obs_rows, render, render_power
 
+    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER
+
     st = doc["settings"]
     if st.get("anchor_power"):
         return "\n".join([
@@ -221,7 +226,8 @@ def obs_allocation_section(doc: dict) -> str:
         f"{_seed_span(st['seeds'])}, no training",
         "",
         f"prune at its defaults on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`) "
-        "with `--normalize obs`: each layer's count from the error the anchored refit leaves after removing the "
+        "with `--normalize obs` and one anchor for every layer (`--anchor-power 0`, the default when these ran; "
+        f"{DEFAULT_ANCHOR_POWER:g} now, the tables below): each layer's count from the error the anchored refit leaves after removing the "
         "heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
         "(one forward and backward pass over the calibration), split over the layers exactly. Beside every "
         "sample, what `auto` kept when these ran (`layer,none`; from these runs the default is `obs`) and "
@@ -250,6 +256,8 @@ def kv_groups_section(doc: dict) -> str:
         f"on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`"
         + ("; `--normalize auto` as it was when this ran: `layer,none` judged on self text"
            if any(r.get("allocation") in ("layer", "none") for r in doc["rows"]) else "")
+        + ("; one anchor for every layer, `--anchor-power 0`, the default then" if "anchor_power" not in st
+           else f"; `--anchor-power {st['anchor_power']:g}`")
         + "), the same number of heads, "
         "out-of-domain ratios as above. A measurement of the choice, not a way to prune (the expanded cache is "
         "3x the original's): keeping the 3 K/V heads with uneven groups would make it one.",

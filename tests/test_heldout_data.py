@@ -29,7 +29,7 @@ def _run(*args):
 def test_prune_chooses_each_refit_on_the_other_source(setup, tmp_path):
     _, src, other = setup
     r = _run("prune", src, *COMMON, "--fraction", 0.25, "--compensate", "--heldout-data", other,
-             "--anchor", "auto", "-o", tmp_path / "out", "--json")
+             "--anchor", "auto", "--anchor-power", "0", "-o", tmp_path / "out", "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["options"]["heldout_data"] == str(other) and doc["options"]["anchor"] == "auto"

@@ -166,3 +166,28 @@ def test_anchor_power_is_recorded_and_needs_compensate(src, tmp_path):
     bad = _run("prune", src, "--fraction", "0.5", "--anchor-power", "2", *COMMON, "--dry-run")
     assert bad.exit_code == 2 and "--anchor-power" in bad.stderr and "needs --compensate" in bad.stderr
     assert "Traceback" not in bad.output
+
+
+def test_compensate_defaults_to_the_measured_anchor_power(src, tmp_path):
+    """--compensate without --anchor-power refits at the default power (the same model, bit for bit, as
+    giving it), --anchor-power 0 refits every layer at the anchor itself, and a prune without a refit
+    records no power."""
+    from safetensors.torch import load_file
+
+    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER
+
+    def prune_to(name, *extra):
+        r = _run("prune", src, "--fraction", "0.5", *extra, *COMMON, "-o", tmp_path / name)
+        assert r.exit_code == 0, r.output
+        meta = json.loads((tmp_path / name / "headtool.json").read_text())
+        return meta, load_file(str(tmp_path / name / "model.safetensors"))
+
+    default, w_default = prune_to("default", "--compensate")
+    given, w_given = prune_to("given", "--compensate", "--anchor-power", f"{DEFAULT_ANCHOR_POWER:g}")
+    zero, w_zero = prune_to("zero", "--compensate", "--anchor-power", "0")
+    assert default["options"]["anchor_power"] == DEFAULT_ANCHOR_POWER and zero["options"]["anchor_power"] == 0
+    assert w_default.keys() == w_given.keys() and all(torch.equal(w_default[k], w_given[k]) for k in w_default)
+    assert any(not torch.equal(w_default[k], w_zero[k]) for k in w_default)
+    assert {c["anchor"] for c in zero["summary"]["compensation"] if c["anchor"] is not None} == {1.0}
+    plain, _ = prune_to("plain")
+    assert plain["options"]["anchor_power"] is None

@@ -101,7 +101,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
                "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
                "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
                "anchor": req.anchor if req.compensate else None,
-               "anchor_power": req.anchor_power if req.compensate else None,
+               "anchor_power": req.power if req.compensate else None,
                "heldout_data": (req.heldout_data if isinstance(req.heldout_data, (str, type(None)))
                                 else req.heldout_data.source) if req.compensate else None,
                "calibration_data": (calib_info(lm, spec) if req.compensate else None), "dtype": load.dtype}
@@ -186,7 +186,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     def run(trial: LoadedModel, chosen: Selection, evaluation=data.eval_batches) -> PruneResult:
         return prune(trial, chosen, unit=req.unit, calib_batches=data.calib, heldout_batches=data.heldout,
                      compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
-                     damping=req.damping, anchor=parse_anchor(req.anchor), anchor_power=req.anchor_power,
+                     damping=req.damping, anchor=parse_anchor(req.anchor), anchor_power=req.power,
                      eval_batches=evaluation,
                      objective=data.eval_objective, calib_device=calib_device)
 

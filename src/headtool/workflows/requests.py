@@ -30,6 +30,10 @@ RANK_ALLOCATIONS = ("uniform", "auto")
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
 CALIBRATION_BLOCKS = 64
 
+# prune --anchor-power with --compensate: a layer that keeps k of h heads is refit at anchor x (k/h)^3.
+# Measured out of domain on SmolLM2 (bench_obs_allocation, five calibration samples): power 2 and 3 were
+# better than 0 on news, legal and wiki in every sample at 25% and 50% of the heads, 3 a little more than 2.
+DEFAULT_ANCHOR_POWER = 3.0
 ANCHOR_HELP = ("how hard each refit is pulled toward the weights without a refit, relative to the mean diagonal "
                "of the Gram matrix: a number (0: the plain least-squares refit, inf: no refit; 1 held up best on "
                "text the calibration never saw) | a comma list of candidates, or auto (0, 0.01, 0.1, 1, 10, "
@@ -205,9 +209,10 @@ class PruneRequest:
     damping: float = option(1e-2, "ridge damping, relative to the mean diagonal of the Gram matrix", min=0,
                             panel=_C)
     anchor: str = option("1", ANCHOR_HELP, panel=_C)
-    anchor_power: float = option(0.0, "each pruned layer's --anchor times (kept heads / heads) ^ P: the more "
-                                 "heads a layer loses, the freer its refit (0: one anchor for every layer)",
-                                 min=0, panel=_C)
+    anchor_power: float | None = option(None, "each pruned layer's --anchor times (kept heads / heads) ^ P: the "
+                                        "more heads a layer loses, the freer its refit (0: one anchor for every "
+                                        f"layer; default {DEFAULT_ANCHOR_POWER:g} with --compensate)",
+                                        min=0, panel=_C)
     heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
                                   "none); 0: no check, unless --heldout-data (then a quarter of the calibration)",
                                   min=0, panel=_C)
@@ -235,6 +240,14 @@ class PruneRequest:
         return any(a != float("inf") for a in (anchors if isinstance(anchors, tuple) else (anchors,)))
 
     @property
+    def power(self) -> float:
+        """The --anchor-power a prune uses: as given, else the measured default with --compensate
+        (0 without: no refit to scale)."""
+        if self.anchor_power is not None:
+            return self.anchor_power
+        return DEFAULT_ANCHOR_POWER if self.compensate else 0.0
+
+    @property
     def auto_is_obs(self) -> bool:
         """Whether --normalize auto splits the heads by what the refit cannot repair (obs): with a refit
         to ask (--compensate and a finite --anchor), a number of heads and --scope global (the model's
@@ -245,7 +258,7 @@ class PruneRequest:
         _check_with_anchor(self)
         from ..errors import UsageError
 
-        if self.anchor_power and not self.compensate:
+        if self.anchor_power is not None and not self.compensate:
             raise UsageError("--anchor-power scales the refit's anchor: it needs --compensate")
         compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
         if self.allocation_margin and not compares:
