@@ -64,7 +64,7 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
         if comp:
             c = comp.get(r["layer"])
             row.append(f"{c['rel_error_before']:.3f} → {c['rel_error_after']:.3f}"
-                       + ((f" (anchor {c['anchor']:g})" if c.get("anchor") else "") if c["kept"] else " (not kept)")
+                       + ((f" (anchor {c['anchor']:.3g})" if c.get("anchor") else "") if c["kept"] else " (not kept)")
                        if c else "")
         t.add_row(*row, style=None if changed else "dim")
     console.print(t)
