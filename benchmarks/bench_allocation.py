@@ -3,8 +3,8 @@ the judge of a list of modes says of each, and what each costs on text the calib
 
 For every calibration sample (bench_cross_domain --seed: which pydoc blocks and which self text) and
 fraction, SmolLM2-135M is pruned at prune's defaults (gradient scores on 64 blocks of
-`builtin:pydoc+self`, `--compensate --anchor 1 --anchor-power 0`: one anchor for every layer, the default when
-the recorded runs were made; the first layer protected) once per normalization
+`builtin:pydoc+self`, `--compensate --anchor 1 --anchor-power 0 --damping 0.01`: one anchor for every layer,
+the defaults when the recorded runs were made; the first layer protected) once per normalization
 (`layer`, `geometric`, `none`; each alone is bit for bit the candidate a list of modes builds). Each
 pruned model is scored by the judge a list uses (its mean loss on the 64 blocks of self text the
 calibration did not read, the same blocks prune reads) and evaluated out of domain as
@@ -69,7 +69,7 @@ def main() -> None:
     run = start(a)
     lm, tok = run.lm, run.lm.tokenizer
     doc = document(run, "bench_allocation.py", CALIBRATION, modes=list(MODES), auto=list(AUTO),
-                   anchor_power=0.0)
+                   anchor_power=0.0, damping=1e-2)
     for seed in run.seeds:
         sample = run.scored(CALIBRATION, seed)
         spec, scores, score_s, judge = sample.spec, sample.scores, sample.score_seconds, sample.judge
@@ -79,7 +79,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
                 req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize=mode,
-                                   anchor_power=0.0)
+                                   anchor_power=0.0, damping=1e-2)
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
                 row["heads_removed"] = done.result.summary()["heads_removed"]

@@ -93,7 +93,8 @@ from headtool.model.refs import cache_dir
 from headtool.surgery.merging import summary_figures
 from headtool.workflows.convert_gqa import convert_loaded
 from headtool.workflows.prune import prune_loaded
-from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, ConvertRequest, PruneRequest, ScoreRequest
+from headtool.workflows.requests import (DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING, ConvertRequest, PruneRequest,
+                                         ScoreRequest)
 from headtool.workflows.score import score_loaded
 
 HERE = Path(__file__).resolve().parent
@@ -471,7 +472,8 @@ def main() -> None:
                  "calibration": cal_source, "calibrated_on": calibrated_on, "scores": method,
                  "heads_removed": s["heads_removed"],
                  "compensate": compensate, "anchor": anchor if compensate else None,
-                 "anchor_power": req.power if compensate else None, "heldout_data": heldout,
+                 "anchor_power": req.power if compensate else None, "damping": req.damping if compensate else None,
+                 "heldout_data": heldout,
                  "protect_layers": protect, "normalize": normalize, "allocation": done.result.allocation,
                  "removed_per_layer": [len(r) for r in done.result.selection.removed(
                      done.result.geometry_before)],
@@ -572,8 +574,10 @@ def render(doc: dict) -> str:
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
             power = anchor_power_of(r)
-            power_flag = f" --anchor-power {power:g}" if power not in (None, DEFAULT_ANCHOR_POWER) else ""
-            change += (f", `--compensate --anchor {r.get('anchor') or 0}{power_flag}`" if r.get("compensate")
+            refit_flags = f" --anchor-power {power:g}" if power not in (None, DEFAULT_ANCHOR_POWER) else ""
+            damping = r.get("damping", 1e-2)  # rows written before the record ran at 0.01
+            refit_flags += f" --damping {damping:g}" if r.get("compensate") and damping != DEFAULT_PRUNE_DAMPING else ""
+            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags}`" if r.get("compensate")
                        else ", no refit")
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
             if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)

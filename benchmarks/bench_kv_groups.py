@@ -80,7 +80,8 @@ def main() -> None:
         if not math.isclose(base[name]["loss"], expanded[name]["loss"], rel_tol=1e-5):
             raise SystemExit(f"the expanded model differs on {name}: {base[name]} vs {expanded[name]}")
     doc = {**document(run, "bench_kv_groups.py", CALIBRATION,
-                    anchor_power=PruneRequest(model=cross.MODEL, compensate=True).power), "variants": VARIANTS}
+                    anchor_power=PruneRequest(model=cross.MODEL, compensate=True).power,
+                    damping=PruneRequest(model=cross.MODEL).damping), "variants": VARIANTS}
     for seed in run.seeds:
         spec = run.calibration(CALIBRATION, seed)
         removed: dict[float, int] = {}

@@ -3,8 +3,8 @@ calibration sample, against the allocations from scores that bench_allocation me
 
 For every calibration sample (bench_cross_domain --seed) and fraction, SmolLM2-135M is pruned at prune's
 defaults (gradient scores on 64 blocks of `builtin:pydoc+self`, `--compensate --anchor 1`, the first
-layer protected) with `--normalize obs` and `--anchor-power 0` unless given (one anchor for every layer, the
-default when obs_allocation.json was made: the rows every --anchor-power table compares with), judged on the 64 blocks of self text a list of modes is judged
+layer protected) with `--normalize obs`, `--anchor-power 0` and `--damping 0.01` unless given (one anchor for
+every layer, the defaults when obs_allocation.json was made: the rows every --anchor-power table compares with), judged on the 64 blocks of self text a list of modes is judged
 on (so its paired difference from `auto`'s pick is known: bench_allocation recorded those blocks' losses
 for the same samples), and evaluated out of domain as bench_cross_domain.py. The table puts every sample
 beside what `auto` and `layer,geometric,none --allocation-margin 1` kept in benchmarks/results/
@@ -44,10 +44,13 @@ def main() -> None:
     ap.add_argument("--anchor-power", type=float, default=0.0,
                     help="prune --anchor-power (default 0 here, not prune's: its table then sets these rows "
                          "beside obs without it)")
+    ap.add_argument("--damping", type=float, default=1e-2,
+                    help="prune --damping (default 0.01 here, the setting of the rows the tables compare with)")
     a = ap.parse_args()
     run = start(a)
     lm, tok = run.lm, run.lm.tokenizer
-    doc = document(run, "bench_obs_allocation.py", CALIBRATION, anchor_power=a.anchor_power)
+    doc = document(run, "bench_obs_allocation.py", CALIBRATION, anchor_power=a.anchor_power,
+                   damping=a.damping)
     for seed in run.seeds:
         sample = run.scored(CALIBRATION, seed)
         spec, scores, score_s, judge = sample.spec, sample.scores, sample.score_seconds, sample.judge
@@ -55,7 +58,7 @@ def main() -> None:
             t0 = time.perf_counter()
             plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
             req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize="obs",
-                               anchor_power=a.anchor_power)
+                               anchor_power=a.anchor_power, damping=a.damping)
             done = prune_loaded(plm, req, scores=scores, text_model=lm)
             prune_s = time.perf_counter() - t0
             verdict = evaluate(plm.model, judge, "lm", label="judge obs", per_block=True)
@@ -147,11 +150,18 @@ def obs_rows(folder: Path = HERE / "results") -> dict:
     return rows
 
 
+def damping_flag(doc: dict) -> str:
+    """` --damping D` where a run's damping is not the 0.01 of the rows it is compared with."""
+    damping = doc["settings"].get("damping", 1e-2)
+    return f" `--damping {damping:g}`" if damping != 1e-2 else ""
+
+
 def render_power(doc: dict, plain: dict) -> str:
     """Per fraction and sample: obs with --anchor-power P beside obs without it (the same calibration,
     judge and evaluation blocks), the judge loss's paired difference, then geometric means and wins."""
     order = doc["order"]
     power = doc["settings"]["anchor_power"]
+    setting = f"{power:g}" + damping_flag(doc)
     labels = [doc["domains"][n].get("label", n) for n in order]
     lines = ["| removed | calibration sample | `--anchor-power` | judge loss (self text; paired difference from "
              "power 0 ± one standard error) | " + " | ".join(labels) + " | heads a layer lost (the counts that "
@@ -162,15 +172,15 @@ def render_power(doc: dict, plain: dict) -> str:
         for r in rows:
             b = plain[(r["seed"], fraction)]
             diff, se = paired_difference(r["judge_block_sums"], b["judge_block_sums"], b["judge_block_weights"])
-            for p, judge, row in ((power, f"{r['judge_loss']:.4f} ({diff:+.4f} ± {se:.4f})", r),
-                                  (0, f"{b['judge_loss']:.4f}", b)):
-                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {p:g} | {judge} | "
+            for p, judge, row in ((setting, f"{r['judge_loss']:.4f} ({diff:+.4f} ± {se:.4f})", r),
+                                  ("0", f"{b['judge_loss']:.4f}", b)):
+                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {p} | {judge} | "
                              + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
                              + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | "
                              f"{row['prune_seconds']:.0f} |")
         if len(rows) > 1:
             without = [plain[(r["seed"], fraction)]["eval"] for r in rows]
-            lines.append(mean_line(fraction, f"{power:g}", [r["eval"] for r in rows], order, without,
+            lines.append(mean_line(fraction, setting, [r["eval"] for r in rows], order, without,
                                    "samples better than power 0"))
             lines.append(mean_line(fraction, "0", without, order))
     return "\n".join(lines)

@@ -107,8 +107,8 @@ def calibration_size_section(docs: list[dict]) -> str:
         + (f"`--normalize auto` as it was when these ran, `layer,none` choosing on {self_judged_blocks(prunes)} "
            f"blocks of self text the calibration did not read ({BEFORE_OBS})" if any(auto_before_obs(r) for r in prunes)
            else "`--normalize auto`")
-        + ", `--anchor 1`"
-        + (" `--anchor-power 0` (the default then)" if any(anchor_power_of(r) == 0 for r in prunes) else "")
+        + (", `--anchor 1 --anchor-power 0 --damping 0.01` (the defaults then)"
+           if any(anchor_power_of(r) == 0 for r in prunes) else ", `--anchor 1`")
         + ", the first layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
         "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
@@ -199,14 +199,15 @@ def allocation_section(doc: dict) -> str:
 
 
 def obs_allocation_section(doc: dict) -> str:
-    from bench_obs_allocation import baselines, obs_rows, render, render_power
+    from bench_obs_allocation import baselines, damping_flag, obs_rows, render, render_power
 
     from headtool.workflows.requests import DEFAULT_ANCHOR_POWER
 
     st = doc["settings"]
     if st.get("anchor_power"):
         return "\n".join([
-            f"### A freer refit where a layer lost more heads (`--anchor-power {st['anchor_power']:g}`): SmolLM2-135M, "
+            f"### A freer refit where a layer lost more heads (`--anchor-power {st['anchor_power']:g}`"
+            f"{damping_flag(doc).replace('` `', ' ')}): SmolLM2-135M, "
             f"samples {_seed_span(st['seeds'])}, no training",
             "",
             f"The prunes of the table above (`--normalize obs`, 64 blocks of `{st['calibration']}`, the same "
@@ -214,7 +215,11 @@ def obs_allocation_section(doc: dict) -> str:
             f"heads)^{st['anchor_power']:g}: a layer that keeps 3 of its 9 heads is refit at a ninth of the anchor "
             "when the power is 2; the counts per layer and the heads inside each layer are still chosen at the "
             "anchor itself (costed at the freer anchors, the split piled the heads into fewer layers and lost on "
-            "seeds 0-1). Beside every sample, the row without the power; the judge loss carries its paired "
+            "seeds 0-1)"
+            + (f". Here the ridge toward zero under the anchor is{damping_flag(doc)} (0.01 in the rows compared "
+               "with and in the tables above): at the freer anchors 0.01 pulled toward zero about as hard as the "
+               "anchor pulls toward the weights" if damping_flag(doc) else "")
+            + ". Beside every sample, the row without the power; the judge loss carries its paired "
             "difference from that row's. Seconds: the whole prune, each from its own run (not compared).",
             "",
             render_power(doc, obs_rows(RESULTS)),
@@ -256,8 +261,8 @@ def kv_groups_section(doc: dict) -> str:
         f"on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`"
         + ("; `--normalize auto` as it was when this ran: `layer,none` judged on self text"
            if any(r.get("allocation") in ("layer", "none") for r in doc["rows"]) else "")
-        + ("; one anchor for every layer, `--anchor-power 0`, the default then" if "anchor_power" not in st
-           else f"; `--anchor-power {st['anchor_power']:g}`")
+        + ("; one anchor for every layer, `--anchor-power 0 --damping 0.01`, the defaults then"
+           if "anchor_power" not in st else f"; `--anchor-power {st['anchor_power']:g} --damping {st['damping']:g}`")
         + "), the same number of heads, "
         "out-of-domain ratios as above. A measurement of the choice, not a way to prune (the expanded cache is "
         "3x the original's): keeping the 3 K/V heads with uneven groups would make it one.",

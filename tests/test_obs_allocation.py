@@ -174,7 +174,7 @@ def test_compensate_defaults_to_the_measured_anchor_power(src, tmp_path):
     records no power."""
     from safetensors.torch import load_file
 
-    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER
+    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 
     def prune_to(name, *extra):
         r = _run("prune", src, "--fraction", "0.5", *extra, *COMMON, "-o", tmp_path / name)
@@ -186,6 +186,7 @@ def test_compensate_defaults_to_the_measured_anchor_power(src, tmp_path):
     given, w_given = prune_to("given", "--compensate", "--anchor-power", f"{DEFAULT_ANCHOR_POWER:g}")
     zero, w_zero = prune_to("zero", "--compensate", "--anchor-power", "0")
     assert default["options"]["anchor_power"] == DEFAULT_ANCHOR_POWER and zero["options"]["anchor_power"] == 0
+    assert default["options"]["damping"] == DEFAULT_PRUNE_DAMPING
     assert w_default.keys() == w_given.keys() and all(torch.equal(w_default[k], w_given[k]) for k in w_default)
     assert any(not torch.equal(w_default[k], w_zero[k]) for k in w_default)
     assert {c["anchor"] for c in zero["summary"]["compensation"] if c["anchor"] is not None} == {1.0}

@@ -105,11 +105,12 @@ def test_the_served_text_section_marks_the_matched_domain():
                      "anchor": "1", "protect_layers": "0", "calibration": "legal+builtin:pydoc+self",
                      "calibrated_on": ["legal"], "eval": ev(1.1, 1.05), "seconds": 50},
                     {"change": "50% of query heads removed", "kind": "prune", "heads_removed": 135, "compensate": True,
-                     "anchor": "1", "anchor_power": 3.0, "protect_layers": "0", "calibration": "legal+builtin:pydoc+self",
+                     "anchor": "1", "anchor_power": 3.0, "damping": 0.001, "protect_layers": "0", "calibration": "legal+builtin:pydoc+self",
                      "calibrated_on": ["legal"], "eval": ev(1.5, 1.25), "seconds": 50}]}
     text = render_results.served_section(doc)
-    # a row written before --anchor-power says it ran at 0; a row at today's default names no power
-    assert ("| 25% of query heads removed (66), gradient, `--compensate --anchor 1 --anchor-power 0`, "
+    # a row written before --anchor-power and the damping's record says it ran at 0 and 0.01; a row at
+    # today's defaults names neither
+    assert ("| 25% of query heads removed (66), gradient, `--compensate --anchor 1 --anchor-power 0 --damping 0.01`, "
             "`--protect-layers 0` | `legal+builtin:pydoc+self` | 44.00 (1.10x) | 21.00 (1.05x), calibrated on it | "
             "50 |") in text
     assert ("| 50% of query heads removed (135), gradient, `--compensate --anchor 1`, `--protect-layers 0` | "
