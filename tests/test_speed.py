@@ -85,3 +85,15 @@ def test_eval_speed_bad_input_exits_2(two_llamas, extra, message):
     res = runner.invoke(app, ["eval", str(two_llamas[0]), *extra])
     assert res.exit_code == 2, res.output
     assert message in res.stderr
+
+
+def test_eval_help_states_the_speed_defaults_the_measurement_uses():
+    """--batch/--context/... say their defaults from SpeedSpec itself (one place), torch-free."""
+    import dataclasses
+
+    r = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    options = [ln for ln in r.output.splitlines() if ln.lstrip("│ ").startswith("--")]
+    for f in dataclasses.fields(SpeedSpec):
+        line = next(ln for ln in options if ln.lstrip("│ ").startswith(f"--{f.name.replace('_', '-')} "))
+        assert f"(default {f.default})" in " ".join(line.split()), line

@@ -18,6 +18,7 @@ except ImportError:  # typer < 0.26 uses click itself
 
 from ..console import err_console, print_json
 from ..errors import HeadtoolError, UsageError
+from ..measure.speed_spec import SpeedSpec
 from ..version import __version__
 from ..workflows.requests import EvalRequest
 from .options import MODEL_HELP, JsonOpt, LoadOptions, command_options, data_options, model_options
@@ -160,6 +161,9 @@ def info(
         print_json(figures)
 
 
+_SPEED = SpeedSpec()  # eval --speed's defaults, for its --help
+
+
 @app.command("eval")
 @model_options
 @data_options()
@@ -167,15 +171,17 @@ def info(
 def eval_cmd(
     speed: Annotated[bool, typer.Option("--speed", help="measure inference speed and memory instead of loss",
                                         rich_help_panel="Speed")] = False,
-    batch: Annotated[Optional[int], typer.Option("--batch", help="sequences per forward (default 1)",
+    batch: Annotated[Optional[int], typer.Option("--batch", help=f"sequences per forward (default {_SPEED.batch})",
                                                  rich_help_panel="Speed")] = None,
-    context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default 1024)",
-                                                   rich_help_panel="Speed")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default "
+                                                   f"{_SPEED.context})", rich_help_panel="Speed")] = None,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="decode steps with the KV cache "
-                                                      "(default 32)", rich_help_panel="Speed")] = None,
+                                                      f"(default {_SPEED.new_tokens})",
+                                                      rich_help_panel="Speed")] = None,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="timed runs per model; the median is "
-                                                   "reported (default 5)", rich_help_panel="Speed")] = None,
-    warmup: Annotated[Optional[int], typer.Option("--warmup", help="untimed runs first (default 1)",
+                                                   f"reported (default {_SPEED.repeats})",
+                                                   rich_help_panel="Speed")] = None,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", help=f"untimed runs first (default {_SPEED.warmup})",
                                                   rich_help_panel="Speed")] = None,
     json_out: JsonOpt = False,
     fields=None,
@@ -199,7 +205,6 @@ def eval_cmd(
     speed_opts = {"batch": batch, "context": context, "new_tokens": new_tokens, "repeats": repeats,
                   "warmup": warmup}
     if speed:
-        from ..measure.speed import SpeedSpec
         from ..workflows.evaluate import SpeedRequest, run_speed
         from .render import speed_table
 

@@ -19,7 +19,6 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from ..data.batches import make_batches
 from ..data.sources import DataSpec
 from ..errors import UsageError
+from .speed_spec import SpeedSpec
 
 FORMAT = "headtool.speed/1"
 
@@ -39,24 +39,6 @@ MEMORY_METHOD = {
                                "free heap pages released first (malloc_trim); "
                                "CUDA: torch.cuda.max_memory_allocated minus memory allocated before it",
 }
-
-
-@dataclass(frozen=True)
-class SpeedSpec:
-    """What to measure: batch x context prompt tokens, then new_tokens decode steps."""
-
-    batch: int = 1
-    context: int = 1024
-    new_tokens: int = 32
-    repeats: int = 5
-    warmup: int = 1
-
-    def check(self) -> None:
-        for name, low in (("batch", 1), ("context", 1), ("new_tokens", 1), ("repeats", 1), ("warmup", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < low:
-                flag = "--" + name.replace("_", "-")
-                raise UsageError(f"{flag} must be at least {low} (got {v})")
 
 
 # --------------------------------------------------------------------------- memory
