@@ -74,7 +74,7 @@ def main() -> None:
             run.clock.log(f"seed {seed} {fraction:.0%} obs: judge {row['judge_loss']:.4f}, " + " / ".join(
                 f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
             run.save(doc)
-    print(render_power(doc, obs_rows()) if a.anchor_power else render(doc, baselines()))
+    print(render_power(doc, obs_rows(power=compared_power(doc))) if a.anchor_power else render(doc, baselines()))
 
 
 def baselines(folder: Path = HERE / "results") -> dict:
@@ -140,14 +140,20 @@ def mean_line(fraction: float, name: str, got: list[dict], order: list[str], bea
             + " | ".join(f"**{geomean([e[n]['ratio'] for e in got]):.3f}x**" for n in order) + " | | |")
 
 
-def obs_rows(folder: Path = HERE / "results") -> dict:
-    """Rows of obs_allocation*.json pruned without --anchor-power, by (seed, fraction)."""
+def obs_rows(folder: Path = HERE / "results", power: float = 0.0) -> dict:
+    """Rows of obs_allocation*.json pruned at --anchor-power `power` and --damping 0.01, by (seed, fraction)."""
     rows = {}
     for path in sorted(folder.glob("obs_allocation*.json")):
-        doc = json.loads(path.read_text())
-        if not doc["settings"].get("anchor_power"):
-            rows.update({(r["seed"], r["fraction"]): r for r in doc["rows"]})
+        st = json.loads(path.read_text())["settings"]
+        if st.get("anchor_power", 0.0) == power and st.get("damping", 1e-2) == 1e-2:
+            rows.update({(r["seed"], r["fraction"]): r for r in json.loads(path.read_text())["rows"]})
     return rows
+
+
+def compared_power(doc: dict) -> float:
+    """The --anchor-power of the rows a power run is set beside: 0 (what the power changes), or its own
+    power when the run also changes the damping (what the damping changes)."""
+    return doc["settings"]["anchor_power"] if damping_flag(doc) else 0.0
 
 
 def damping_flag(doc: dict) -> str:
@@ -161,10 +167,10 @@ def render_power(doc: dict, plain: dict) -> str:
     judge and evaluation blocks), the judge loss's paired difference, then geometric means and wins."""
     order = doc["order"]
     power = doc["settings"]["anchor_power"]
-    setting = f"{power:g}" + damping_flag(doc)
+    setting, base = f"{power:g}" + damping_flag(doc), f"{compared_power(doc):g}"
     labels = [doc["domains"][n].get("label", n) for n in order]
     lines = ["| removed | calibration sample | `--anchor-power` | judge loss (self text; paired difference from "
-             "power 0 ± one standard error) | " + " | ".join(labels) + " | heads a layer lost (the counts that "
+             f"power {base} ± one standard error) | " + " | ".join(labels) + " | heads a layer lost (the counts that "
              "occur) | seconds of the prune |",
              "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in order) + " | --- | ---: |"]
     for fraction in doc["settings"]["fractions"]:
@@ -173,7 +179,7 @@ def render_power(doc: dict, plain: dict) -> str:
             b = plain[(r["seed"], fraction)]
             diff, se = paired_difference(r["judge_block_sums"], b["judge_block_sums"], b["judge_block_weights"])
             for p, judge, row in ((setting, f"{r['judge_loss']:.4f} ({diff:+.4f} ± {se:.4f})", r),
-                                  ("0", f"{b['judge_loss']:.4f}", b)):
+                                  (base, f"{b['judge_loss']:.4f}", b)):
                 lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {p} | {judge} | "
                              + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
                              + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | "
@@ -181,8 +187,8 @@ def render_power(doc: dict, plain: dict) -> str:
         if len(rows) > 1:
             without = [plain[(r["seed"], fraction)]["eval"] for r in rows]
             lines.append(mean_line(fraction, setting, [r["eval"] for r in rows], order, without,
-                                   "samples better than power 0"))
-            lines.append(mean_line(fraction, "0", without, order))
+                                   f"samples better than power {base}"))
+            lines.append(mean_line(fraction, base, without, order))
     return "\n".join(lines)
 
 

@@ -199,15 +199,15 @@ def allocation_section(doc: dict) -> str:
 
 
 def obs_allocation_section(doc: dict) -> str:
-    from bench_obs_allocation import baselines, damping_flag, obs_rows, render, render_power
+    from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
 
     from headtool.workflows.requests import DEFAULT_ANCHOR_POWER
 
     st = doc["settings"]
     if st.get("anchor_power"):
         return "\n".join([
-            f"### A freer refit where a layer lost more heads (`--anchor-power {st['anchor_power']:g}`"
-            f"{damping_flag(doc).replace('` `', ' ')}): SmolLM2-135M, "
+            "### A freer refit where a layer lost more heads ("
+            + f"`--anchor-power {st['anchor_power']:g}`{damping_flag(doc)}".replace("` `", " ") + "): SmolLM2-135M, "
             f"samples {_seed_span(st['seeds'])}, no training",
             "",
             f"The prunes of the table above (`--normalize obs`, 64 blocks of `{st['calibration']}`, the same "
@@ -218,11 +218,12 @@ def obs_allocation_section(doc: dict) -> str:
             "seeds 0-1)"
             + (f". Here the ridge toward zero under the anchor is{damping_flag(doc)} (0.01 in the rows compared "
                "with and in the tables above): at the freer anchors 0.01 pulled toward zero about as hard as the "
-               "anchor pulls toward the weights" if damping_flag(doc) else "")
-            + ". Beside every sample, the row without the power; the judge loss carries its paired "
+               "anchor pulls toward the weights. Beside every sample, the same power at `--damping 0.01`"
+               if damping_flag(doc) else ". Beside every sample, the row without the power")
+            + "; the judge loss carries its paired "
             "difference from that row's. Seconds: the whole prune, each from its own run (not compared).",
             "",
-            render_power(doc, obs_rows(RESULTS)),
+            render_power(doc, obs_rows(RESULTS, compared_power(doc))),
             "",
             f"`{doc['command']}`",
         ])

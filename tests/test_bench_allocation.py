@@ -110,7 +110,7 @@ def test_the_anchor_power_table_sets_each_sample_beside_obs_without_it():
     """bench_obs_allocation --anchor-power P: each sample beside the obs row without the power (the same
     judge blocks: the paired difference), geometric means and the samples where the power helped; a
     results file with a power is no baseline for another."""
-    from bench_obs_allocation import obs_rows, render_power
+    from bench_obs_allocation import compared_power, obs_rows, render_power
 
     def row(seed, sums, news, removed):
         return {"seed": seed, "fraction": 0.5, "heads_removed": 135, "judge_loss": sum(sums) / 20,
@@ -134,3 +134,12 @@ def test_the_anchor_power_table_sets_each_sample_beside_obs_without_it():
                                   ("obs_allocation_power2.json", 2.0, doc["rows"])):
             (Path(d) / name).write_text(json.dumps({"settings": {"anchor_power": power}, "rows": rows}))
         assert obs_rows(Path(d)) == {(0, 0.5): plain[(0, 0.5)]}
+        # a run that also changes the damping is set beside the same power at 0.01: what the damping changes
+        (Path(d) / "obs_allocation_power2_damping.json").write_text(json.dumps(
+            {"settings": {"anchor_power": 2.0, "damping": 0.001}, "rows": [plain[(1, 0.5)]]}))
+        damped = {**doc, "settings": {**doc["settings"], "damping": 0.001}}
+        assert compared_power(damped) == 2.0 and compared_power(doc) == 0.0
+        assert obs_rows(Path(d), compared_power(damped)) == {(0, 0.5): doc["rows"][0], (1, 0.5): doc["rows"][1]}
+        table = render_power(damped, obs_rows(Path(d), 2.0))
+        assert "| 50% (135) | 0 | 2 `--damping 0.001` | 3.0250 (+0.0000 ± 0.0000) | 1.500x |" in table
+        assert "samples better than power 2: 0/2 news" in table
