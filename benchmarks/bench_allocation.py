@@ -69,7 +69,7 @@ def main() -> None:
     run = start(a)
     lm, tok = run.lm, run.lm.tokenizer
     doc = document(run, "bench_allocation.py", CALIBRATION, modes=list(MODES), auto=list(AUTO),
-                   anchor_power=0.0, damping=1e-2)
+                   **cross.EARLIER_REFIT)
     for seed in run.seeds:
         sample = run.scored(CALIBRATION, seed)
         spec, scores, score_s, judge = sample.spec, sample.scores, sample.score_seconds, sample.judge
@@ -79,7 +79,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
                 req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize=mode,
-                                   anchor_power=0.0, damping=1e-2)
+                                   **cross.EARLIER_REFIT)
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
                 row["heads_removed"] = done.result.summary()["heads_removed"]

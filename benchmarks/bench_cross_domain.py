@@ -534,12 +534,24 @@ def auto_before_obs(row: dict) -> bool:
             and str(row.get("anchor")) != "inf")
 
 
-def anchor_power_of(row: dict) -> float | None:
-    """The --anchor-power a refit prune row ran at (rows written before the option: 0, one anchor for
-    every layer); None for a row without a refit."""
+# prune's refit settings before they were recorded (and before 2026-12-06's defaults): one anchor for
+# every layer, damping 0.01. bench_allocation and bench_obs_allocation pin them: their records hold them.
+EARLIER_REFIT = {"anchor_power": 0.0, "damping": 1e-2}
+REFIT_DEFAULTS = {"anchor_power": DEFAULT_ANCHOR_POWER, "damping": DEFAULT_PRUNE_DAMPING}
+
+
+def refit_settings(row: dict) -> dict | None:
+    """The --anchor-power and --damping a refit prune row ran at (EARLIER_REFIT where the row predates
+    their record); None for a row without a refit."""
     if not row.get("compensate"):
         return None
-    return row.get("anchor_power", 0.0)
+    return {k: row.get(k, v) for k, v in EARLIER_REFIT.items()}
+
+
+def refit_flags(row: dict) -> str:
+    """The refit settings a row ran at where they differ from today's defaults, as flags."""
+    return "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in (refit_settings(row) or {}).items()
+                   if v != REFIT_DEFAULTS[k])
 
 
 def chosen_allocation(row: dict) -> str | None:
@@ -573,11 +585,7 @@ def render(doc: dict) -> str:
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
-            power = anchor_power_of(r)
-            refit_flags = f" --anchor-power {power:g}" if power not in (None, DEFAULT_ANCHOR_POWER) else ""
-            damping = r.get("damping", 1e-2)  # rows written before the record ran at 0.01
-            refit_flags += f" --damping {damping:g}" if r.get("compensate") and damping != DEFAULT_PRUNE_DAMPING else ""
-            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags}`" if r.get("compensate")
+            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags(r)}`" if r.get("compensate")
                        else ", no refit")
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
             if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)

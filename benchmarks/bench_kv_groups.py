@@ -79,9 +79,9 @@ def main() -> None:
     for name in base:
         if not math.isclose(base[name]["loss"], expanded[name]["loss"], rel_tol=1e-5):
             raise SystemExit(f"the expanded model differs on {name}: {base[name]} vs {expanded[name]}")
-    doc = {**document(run, "bench_kv_groups.py", CALIBRATION,
-                    anchor_power=PruneRequest(model=cross.MODEL, compensate=True).power,
-                    damping=PruneRequest(model=cross.MODEL).damping), "variants": VARIANTS}
+    defaults = PruneRequest(model=cross.MODEL, compensate=True)  # the refit settings its prunes run at
+    doc = {**document(run, "bench_kv_groups.py", CALIBRATION, anchor_power=defaults.power,
+                      damping=defaults.damping), "variants": VARIANTS}
     for seed in run.seeds:
         spec = run.calibration(CALIBRATION, seed)
         removed: dict[float, int] = {}

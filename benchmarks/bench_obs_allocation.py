@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--anchor-power", type=float, default=0.0,
                     help="prune --anchor-power (default 0 here, not prune's: its table then sets these rows "
                          "beside obs without it)")
-    ap.add_argument("--damping", type=float, default=1e-2,
+    ap.add_argument("--damping", type=float, default=cross.EARLIER_REFIT["damping"],
                     help="prune --damping (default 0.01 here, the setting of the rows the tables compare with)")
     a = ap.parse_args()
     run = start(a)
@@ -144,9 +144,10 @@ def obs_rows(folder: Path = HERE / "results", power: float = 0.0) -> dict:
     """Rows of obs_allocation*.json pruned at --anchor-power `power` and --damping 0.01, by (seed, fraction)."""
     rows = {}
     for path in sorted(folder.glob("obs_allocation*.json")):
-        st = json.loads(path.read_text())["settings"]
-        if st.get("anchor_power", 0.0) == power and st.get("damping", 1e-2) == 1e-2:
-            rows.update({(r["seed"], r["fraction"]): r for r in json.loads(path.read_text())["rows"]})
+        doc = json.loads(path.read_text())
+        st = {**cross.EARLIER_REFIT, **doc["settings"]}
+        if st["anchor_power"] == power and st["damping"] == cross.EARLIER_REFIT["damping"]:
+            rows.update({(r["seed"], r["fraction"]): r for r in doc["rows"]})
     return rows
 
 
@@ -158,8 +159,8 @@ def compared_power(doc: dict) -> float:
 
 def damping_flag(doc: dict) -> str:
     """` --damping D` where a run's damping is not the 0.01 of the rows it is compared with."""
-    damping = doc["settings"].get("damping", 1e-2)
-    return f" `--damping {damping:g}`" if damping != 1e-2 else ""
+    damping = doc["settings"].get("damping", cross.EARLIER_REFIT["damping"])
+    return f" `--damping {damping:g}`" if damping != cross.EARLIER_REFIT["damping"] else ""
 
 
 def render_power(doc: dict, plain: dict) -> str:

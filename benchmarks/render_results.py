@@ -84,8 +84,8 @@ def normalize_section(doc: dict) -> str:
 def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
-    from bench_cross_domain import (BEFORE_OBS, BEFORE_OBS_NOTE, anchor_power_of, auto_before_obs, chosen_allocation,
-                                    self_judged_blocks)
+    from bench_cross_domain import (BEFORE_OBS, BEFORE_OBS_NOTE, EARLIER_REFIT, auto_before_obs, chosen_allocation,
+                                    refit_settings, self_judged_blocks)
 
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
@@ -108,7 +108,7 @@ def calibration_size_section(docs: list[dict]) -> str:
            f"blocks of self text the calibration did not read ({BEFORE_OBS})" if any(auto_before_obs(r) for r in prunes)
            else "`--normalize auto`")
         + (", `--anchor 1 --anchor-power 0 --damping 0.01` (the defaults then)"
-           if any(anchor_power_of(r) == 0 for r in prunes) else ", `--anchor 1`")
+           if any(refit_settings(r) == EARLIER_REFIT for r in prunes) else ", `--anchor 1`")
         + ", the first layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
         "reads 64 unless `--max-samples`), and on other samples of the same size (seed: which pydoc blocks and "
@@ -201,13 +201,14 @@ def allocation_section(doc: dict) -> str:
 def obs_allocation_section(doc: dict) -> str:
     from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
 
-    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER
+    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 
     st = doc["settings"]
+    damping = damping_flag(doc)
     if st.get("anchor_power"):
         return "\n".join([
             "### A freer refit where a layer lost more heads ("
-            + f"`--anchor-power {st['anchor_power']:g}`{damping_flag(doc)}".replace("` `", " ") + "): SmolLM2-135M, "
+            + f"`--anchor-power {st['anchor_power']:g}`{damping}".replace("` `", " ") + "): SmolLM2-135M, "
             f"samples {_seed_span(st['seeds'])}, no training",
             "",
             f"The prunes of the table above (`--normalize obs`, 64 blocks of `{st['calibration']}`, the same "
@@ -216,10 +217,10 @@ def obs_allocation_section(doc: dict) -> str:
             "when the power is 2; the counts per layer and the heads inside each layer are still chosen at the "
             "anchor itself (costed at the freer anchors, the split piled the heads into fewer layers and lost on "
             "seeds 0-1)"
-            + (f". Here the ridge toward zero under the anchor is{damping_flag(doc)} (0.01 in the rows compared "
+            + (f". Here the ridge toward zero under the anchor is{damping} (0.01 in the rows compared "
                "with and in the tables above): at the freer anchors 0.01 pulled toward zero about as hard as the "
                "anchor pulls toward the weights. Beside every sample, the same power at `--damping 0.01`"
-               if damping_flag(doc) else ". Beside every sample, the row without the power")
+               if damping else ". Beside every sample, the row without the power")
             + "; the judge loss carries its paired "
             "difference from that row's. Seconds: the whole prune, each from its own run (not compared).",
             "",
@@ -232,8 +233,9 @@ def obs_allocation_section(doc: dict) -> str:
         f"{_seed_span(st['seeds'])}, no training",
         "",
         f"prune at its defaults on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`) "
-        "with `--normalize obs` and one anchor for every layer (`--anchor-power 0`, the default when these ran; "
-        f"{DEFAULT_ANCHOR_POWER:g} now, the tables below): each layer's count from the error the anchored refit leaves after removing the "
+        "with `--normalize obs` and one anchor for every layer (`--anchor-power 0 --damping 0.01`, the defaults "
+        f"when these ran; `--anchor-power {DEFAULT_ANCHOR_POWER:g} --damping {DEFAULT_PRUNE_DAMPING:g}` now, the "
+        "tables below): each layer's count from the error the anchored refit leaves after removing the "
         "heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
         "(one forward and backward pass over the calibration), split over the layers exactly. Beside every "
         "sample, what `auto` kept when these ran (`layer,none`; from these runs the default is `obs`) and "
