@@ -14,6 +14,11 @@ In one run on one model (default SmolLM2-135M, float32, CPU), on the same N cali
 - `allocation obs`: the split of those heads over the layers that `--normalize obs` (prune's
   default with `--compensate`) makes before the refit: one forward and backward pass for the
   statistics, then each layer's refit error per count (`obs_selection`, anchor 1 as prune's default);
+- `score + obs`: what `headtool prune --compensate` runs before its refit when it scores on --data:
+  gradient scores and the obs split on the same blocks, once as two passes (scoring, then the
+  allocation's own forward and backward pass) and once as the CLI now runs them (the allocation's
+  statistics collected by a `SensitivityProbe` riding on the scoring pass); the row records that
+  both give the same selection;
 - `self-generation`: `self_blocks` sampling N blocks of --seq-len tokens from the model
   (`--data self:N`: batched generation with a KV cache, the cache on disk bypassed). It samples
   whole groups (32 blocks of 128 tokens), so N = 16 samples 32: twice the forward's tokens,
@@ -52,12 +57,13 @@ from headtool.measure.calibration import attention_input_grams
 from headtool.measure.scoring import score_heads
 from headtool.model.loading import load_model, model_from_object
 from headtool.surgery import merging
-from headtool.surgery.obs_allocation import obs_selection
+from headtool.surgery.obs_allocation import SensitivityProbe, obs_selection
 from headtool.surgery.pruning import prune
 from headtool.surgery.selection import Target, select_heads
+from headtool.workflows.requests import DEFAULT_PRUNE_DAMPING
 
 RESULTS = Path(__file__).parent / "results" / "refit_speed.json"
-STEPS = ("fit", "aligned", "compensate", "obs", "selfgen")
+STEPS = ("fit", "aligned", "compensate", "obs", "score+obs", "selfgen")
 
 
 def _timed(fn):
@@ -74,6 +80,21 @@ def _anchor_kwargs(text: str) -> dict:
         from headtool.surgery.compensation import ANCHOR_GRID
         return {"anchor": ANCHOR_GRID}
     return {"anchor": [float(a) for a in text.split(",")] if "," in text else float(text)}
+
+
+def _score_and_obs(lm, batches, target: Target) -> list[dict]:
+    """Gradient scores and the obs split of `target`'s heads: two passes, then one (module doc)."""
+    def run(shared: bool):
+        probe = SensitivityProbe(lm.model, lm.adapter) if shared else None
+        scores = score_heads(lm.model, lm.adapter, batches, method="gradient", objective="lm", probe=probe).scores
+        total = select_heads(scores, lm.geometry, target).num_removed(lm.geometry)
+        return obs_selection(lm.model, lm.adapter, lm.geometry, scores, target, total, None if shared else batches,
+                             "lm", damping=DEFAULT_PRUNE_DAMPING, anchor=1.0,
+                             sensitivity=probe.result() if shared else None).selection
+    two, two_s = _timed(lambda: run(False))
+    one, one_s = _timed(lambda: run(True))
+    return [{"step": "score + obs, two passes", "seconds": two_s},
+            {"step": "score + obs, one pass (CLI)", "seconds": one_s, "same_selection": one.kept == two.kept}]
 
 
 def main() -> None:
@@ -145,10 +166,12 @@ def main() -> None:
     if "obs" in steps:
         target = Target(fraction=a.fraction)
         obs, s = _timed(lambda: obs_selection(lm.model, lm.adapter, lm.geometry, scores, target,
-                                              sel.num_removed(lm.geometry), cal.batches, "lm", damping=1e-2,
-                                              anchor=1.0))
+                                              sel.num_removed(lm.geometry), cal.batches, "lm",
+                                              damping=DEFAULT_PRUNE_DAMPING, anchor=1.0))
         rows.append({"step": "allocation obs", "seconds": s, "removed_per_layer": [
             len(r) for r in obs.selection.removed(lm.geometry)]})
+    if "score+obs" in steps:
+        rows += _score_and_obs(lm, cal.batches, Target(fraction=a.fraction))
     if "selfgen" in steps:
         sb, s = _timed(lambda: self_blocks(lm.model, lm.tokenizer, a.blocks, a.seq_len, seed=0, cache=False))
         # whole groups are sampled (selfgen.group_size): the row says how many, beside the count asked for

@@ -14,8 +14,9 @@ from headtool.arch import adapter_for
 from headtool.cli import app
 from headtool.data.batches import make_batches
 from headtool.data.sources import DataSpec
-from headtool.surgery.obs_allocation import layer_errors, layer_sensitivity, split_counts
-from tiny_models import save_tiny, tiny_model, tokenizer_for
+from headtool.measure.scoring import score_heads
+from headtool.surgery.obs_allocation import SensitivityProbe, layer_errors, layer_sensitivity, split_counts
+from tiny_models import ALL, checkpoint_tensors, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
 COMMON = ["--data", "builtin:pydoc", "--max-samples", "8", "--seq-len", "16", "--batch-size", "2"]
@@ -76,6 +77,49 @@ def test_sensitivity_is_the_gradient_at_the_attention_output():
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in ins[i]])
         assert torch.allclose(got.grams[i], x.T @ x, rtol=1e-6, atol=1e-8)
     assert all(not p.grad_fn and p.grad is None for p in model.parameters())  # nothing trained, nothing left
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_sensitivity_rides_on_the_scoring_pass(family):
+    """A SensitivityProbe attached to gradient scoring measures what obs's own pass measures (Grams to
+    rounding, energies to 1e-6: the scoring loss is the sum, rescaled per batch), and the scores are those
+    of scoring without it, bit for bit (the zeros it adds change no value and no gradient)."""
+    model = tiny_model(family).eval()
+    adapter = adapter_for(model.config)
+    objective = "mlm" if family in ("bert", "roberta") else "lm"
+    batches = make_batches(SPEC, tokenizer_for(family), objective).batches
+    alone = layer_sensitivity(model, adapter, batches, objective)
+    probe = SensitivityProbe(model, adapter)
+    with_probe = score_heads(model, adapter, batches, method="gradient", objective=objective, probe=probe)
+    plain = score_heads(model, adapter, batches, method="gradient", objective=objective)
+    assert with_probe.raw_scores == plain.raw_scores and with_probe.scores == plain.scores
+    got = probe.result()
+    assert got.tokens == alone.tokens and all(e > 0 for e in got.gradient_energy)
+    assert got.gradient_energy == pytest.approx(alone.gradient_energy, rel=1e-6)
+    for g, a in zip(got.grams, alone.grams):
+        assert torch.allclose(g, a, rtol=1e-9, atol=1e-12)
+    assert all(not p.grad_fn and p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="one round"):
+        score_heads(model, adapter, batches, method="ablation", objective=objective, probe=SensitivityProbe(model, adapter))
+
+
+def test_prune_scores_and_allocates_on_one_pass(src, tmp_path):
+    """`prune --compensate` (obs by default) takes obs's sensitivity from its scoring pass and writes the model a
+    prune with the same scores from a document (obs then runs its own pass) writes: the pass is saved, the
+    result is the same."""
+    one, two, doc = tmp_path / "one", tmp_path / "two", tmp_path / "scores.json"
+    r = _run("prune", src, "--fraction", "0.5", "--compensate", *COMMON, "-o", one)
+    assert r.exit_code == 0, r.output
+    obs = json.loads((one / "headtool.json").read_text())["summary"]["allocation"]["obs"]
+    assert obs["sensitivity_from"] == "the scoring pass"
+    assert _run("score", src, *COMMON, "-o", doc).exit_code == 0
+    r = _run("prune", src, "--fraction", "0.5", "--compensate", "--scores", doc, *COMMON, "-o", two)
+    assert r.exit_code == 0, r.output
+    own = json.loads((two / "headtool.json").read_text())["summary"]["allocation"]["obs"]
+    assert "sensitivity_from" not in own
+    assert own["layer_sensitivity"] == pytest.approx(obs["layer_sensitivity"], rel=1e-5)
+    a, b = checkpoint_tensors(one), checkpoint_tensors(two)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_head_the_refit_can_rebuild_costs_nothing():

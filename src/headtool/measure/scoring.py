@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -301,8 +301,10 @@ def _tokens(batch: dict) -> int:
 # --------------------------------------------------------------------------- gradient-type methods
 
 
-def _gradient_round(model, adapter, geometry, batches, objective, estimator, alive, seed, bar, task, label):
-    """One forward + backward per batch for all heads; accumulates the chosen estimator."""
+def _gradient_round(model, adapter, geometry, batches, objective, estimator, alive, seed, bar, task, label,
+                    probe=None):
+    """One forward + backward per batch for all heads; accumulates the chosen estimator. With `probe` (an
+    attached SensitivityProbe), the same backward also gives it the gradients at its leaves."""
     device = next(model.parameters()).device
     gdtype = _gate_dtype(model)
     masks = _mask_tensors(alive, gdtype, device)
@@ -316,6 +318,8 @@ def _gradient_round(model, adapter, geometry, batches, objective, estimator, ali
             n = b["input_ids"].shape[0]
             leaves = [m.expand(n, -1).clone().requires_grad_(True) for m in masks]
             gates.values[:] = leaves
+            if probe is not None:
+                probe.start_batch()
             out, is_logits = forward_output(model, b)
             if objective == "kl":
                 losses, w = fisher_sample_losses(out, b, is_logits, gen)
@@ -326,7 +330,11 @@ def _gradient_round(model, adapter, geometry, batches, objective, estimator, ali
             s = (losses * w).sum()
             s_value = float(s.detach())
             _check_finite(s_value, label, bi)
-            grads = torch.autograd.grad(s, leaves, allow_unused=True)
+            extra = probe.leaves() if probe is not None else []
+            grads = torch.autograd.grad(s, leaves + extra, allow_unused=True)
+            if probe is not None:  # its objective is the mean over the batch's weighted tokens
+                probe.add_gradients(grads[len(leaves):], 1.0 / max(float(w.sum()), 1.0), _tokens(b))
+                grads = grads[:len(leaves)]
             total += s_value if base is None else base
             weight += float(w.sum())
             for i, g in enumerate(grads):
@@ -476,16 +484,23 @@ def score_heads(
     geometry: Sequence[LayerHeads] | None = None,
     ablation_chunk: int | None = None,
     label: str = "score",
+    probe: Any = None,
 ) -> ScoreResult:
     """Importance of every head of `model` on `batches` (None for magnitude / random).
 
     `objective` is a resolved objective ('lm', 'mlm', 'classification', 'kl'). With
     `iterative` = K > 0, K rounds of scoring each followed by gating off the weakest heads;
-    `removal_order` then lists the heads in the order they fell.
+    `removal_order` then lists the heads in the order they fell. `probe` (a SensitivityProbe, not
+    attached) collects prune --normalize obs's layer sensitivity on the same forward and backward
+    passes: one round of a gradient-type method on the model's own loss, in one process.
     """
     t_start = time.perf_counter()
     geometry = list(geometry or adapter.geometry(model.config))
     estimator = check_method(method, objective)
+    if probe is not None and (iterative or estimator not in ("gradient", "taylor", "fisher")
+                              or objective not in ("lm", "mlm") or rank_and_world()[1] > 1):
+        raise ValueError("a sensitivity probe rides on one round of gradient scoring of the lm or mlm loss, "
+                         "in one process")
     norm = resolve_normalize(normalize, method)
     if method in ("magnitude", "random"):
         if iterative:
@@ -515,7 +530,7 @@ def score_heads(
         total_steps = sum(len(batches) * (1 + _ablation_passes(alive, k0)) for _ in range(n_rounds))
     else:
         total_steps = n_rounds * len(batches)
-    with scoring_mode(model), progress() as bar:
+    with scoring_mode(model), progress() as bar, (probe.attached() if probe is not None else nullcontext()):
         task = bar.add_task(f"{label} ({estimator})", total=total_steps, rate="")
         for r in range(n_rounds):
             if estimator == "ablation":
@@ -523,7 +538,7 @@ def score_heads(
                                                           ablation_chunk, bar, task, label)
             else:
                 raw, loss, positions, p = _gradient_round(model, adapter, geometry, batches, objective, estimator,
-                                                          alive, seed, bar, task, label)
+                                                          alive, seed, bar, task, label, probe)
             raw, loss, positions = combine_means(raw, loss, positions)  # data parallel: all ranks agree
             positions = int(positions)
             passes += p

@@ -19,14 +19,16 @@ refit itself (Optimal Brain Surgeon on heads, as ZipLM and SlimGPT do for struct
 
 Which heads go inside a layer is still `--choose-in-layer`'s: with `--compensate` the refit's
 choice, the steps of the scores otherwise. Costs one forward and backward pass over the
-calibration blocks, as gradient scoring does.
+calibration blocks, as gradient scoring does; where prune scores on those blocks with a gradient
+method, that very pass (`SensitivityProbe` attached to the scoring): no pass of its own.
 """
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -60,57 +62,89 @@ def _gram_of(x: torch.Tensor, bias: bool) -> torch.Tensor:
     return (rows.T @ rows).cpu()
 
 
-def layer_sensitivity(model: nn.Module, adapter: Adapter, batches: Sequence[dict], objective: str,
-                      layers: Sequence[int] | None = None) -> LayerSensitivity:
-    """One forward and backward pass per batch (parameters frozen): every layer's output-projection
-    input Gram and the squared gradient of the loss at its attention output (taken through a zero
-    added to that output, so no path through later layers is cut)."""
-    t0 = time.perf_counter()
-    layers = list(range(adapter.num_layers(model.config))) if layers is None else list(layers)
-    device = next(model.parameters()).device
-    grams: dict[int, torch.Tensor] = {}
-    energy = {i: 0.0 for i in layers}
-    zeros: dict[int, torch.Tensor] = {}
-    tokens = 0
+class SensitivityProbe:
+    """What `layer_sensitivity` measures, collected on whatever forward and backward passes run while it
+    is attached: each output projection's input Gram (a pre-hook) and the gradient at its output, taken
+    through a zero added to that output (a hook), so no path through later layers is cut. Gradient
+    scoring runs the same passes over the same blocks: attached there (`score_heads(probe=...)`), the
+    allocation costs no pass of its own.
 
-    def hooks_for(i: int, module: nn.Module) -> list:
-        bias = getattr(module, "bias", None) is not None
+    Per batch: `start_batch()` before the forward, `leaves()` after it (the zeros to differentiate
+    against, in layer order), `add_gradients(grads, scale, tokens)` with the gradients of the loss
+    whose mean over the batch's weighted tokens is the objective, times `scale`."""
 
-        def pre(mod, args) -> None:
-            g = _gram_of(args[0], bias)
-            grams[i] = g if i not in grams else grams[i] + g
+    def __init__(self, model: nn.Module, adapter: Adapter, layers: Sequence[int] | None = None):
+        self.model, self.adapter = model, adapter
+        self.layers = list(range(adapter.num_layers(model.config))) if layers is None else list(layers)
+        self.grams: dict[int, torch.Tensor] = {}
+        self.energy = {i: 0.0 for i in self.layers}
+        self.tokens = 0
+        self._zeros: dict[int, torch.Tensor] = {}
+        self._order: list[int] = []
 
-        def post(mod, args, out):
-            zero = torch.zeros_like(out, requires_grad=True)
-            zeros[i] = zero
-            return out + zero
-        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-
-    handles = []
-    with scoring_mode(model), torch.enable_grad(), progress() as bar:
-        task = bar.add_task("layer sensitivity", total=len(batches), rate="")
+    @contextmanager
+    def attached(self) -> Iterator["SensitivityProbe"]:
+        handles = []
         try:
-            for i in layers:
-                handles += hooks_for(i, adapter.o_proj_module(model, i))
-            for batch in batches:
-                b = to_device(batch, device)
-                zeros.clear()
-                out, _ = forward_output(model, b)
-                losses, w = objective_losses(objective, out, b)
-                total = (losses * w).sum() / w.sum().clamp_min(1.0)
-                order = [i for i in layers if i in zeros]
-                grads = torch.autograd.grad(total, [zeros[i] for i in order], allow_unused=True)
-                for i, g in zip(order, grads):
-                    if g is not None:
-                        energy[i] += float(g.detach().to(torch.float64).pow(2).sum())
-                tokens += int(b["input_ids"].numel())
-                bar.update(task, advance=1)
+            for i in self.layers:
+                module = self.adapter.o_proj_module(self.model, i)
+                handles += self._hooks(i, module, getattr(module, "bias", None) is not None)
+            yield self
         finally:
             for h in handles:
                 h.remove()
-            zeros.clear()
-    return LayerSensitivity([grams[i] for i in layers], [energy[i] for i in layers], tokens,
-                            time.perf_counter() - t0)
+            self._zeros.clear()
+
+    def _hooks(self, i: int, module: nn.Module, bias: bool) -> list:
+        def pre(mod, args) -> None:
+            g = _gram_of(args[0], bias)
+            self.grams[i] = g if i not in self.grams else self.grams[i] + g
+
+        def post(mod, args, out):
+            zero = torch.zeros_like(out, requires_grad=True)
+            self._zeros[i] = zero
+            return out + zero
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def start_batch(self) -> None:
+        self._zeros.clear()
+
+    def leaves(self) -> list[torch.Tensor]:
+        self._order = [i for i in self.layers if i in self._zeros]
+        return [self._zeros[i] for i in self._order]
+
+    def add_gradients(self, grads: Sequence[torch.Tensor | None], scale: float, tokens: int) -> None:
+        for i, g in zip(self._order, grads):
+            if g is not None:
+                g = g.detach().to(torch.float64)
+                self.energy[i] += float((g * scale).pow(2).sum() if scale != 1.0 else g.pow(2).sum())
+        self.tokens += tokens
+
+    def result(self, seconds: float = 0.0) -> LayerSensitivity:
+        return LayerSensitivity([self.grams[i] for i in self.layers], [self.energy[i] for i in self.layers],
+                                self.tokens, seconds)
+
+
+def layer_sensitivity(model: nn.Module, adapter: Adapter, batches: Sequence[dict], objective: str,
+                      layers: Sequence[int] | None = None) -> LayerSensitivity:
+    """One forward and backward pass per batch (parameters frozen) with a `SensitivityProbe` attached:
+    every layer's output-projection input Gram and the squared gradient of the loss at its attention
+    output."""
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    probe = SensitivityProbe(model, adapter, layers)
+    with scoring_mode(model), torch.enable_grad(), progress() as bar, probe.attached():
+        task = bar.add_task("layer sensitivity", total=len(batches), rate="")
+        for batch in batches:
+            b = to_device(batch, device)
+            probe.start_batch()
+            out, _ = forward_output(model, b)
+            losses, w = objective_losses(objective, out, b)
+            total = (losses * w).sum() / w.sum().clamp_min(1.0)
+            grads = torch.autograd.grad(total, probe.leaves(), allow_unused=True)
+            probe.add_gradients(grads, 1.0, int(b["input_ids"].numel()))
+            bar.update(task, advance=1)
+    return probe.result(time.perf_counter() - t0)
 
 
 def layer_errors(model: nn.Module, adapter: Adapter, geometry: Sequence[LayerHeads], grams: Sequence[torch.Tensor],
@@ -165,22 +199,28 @@ class ObsAllocation:
     selection: Selection
     sensitivity: list[float]  # E||dL/dy||² per layer (mean over tokens)
     seconds: float
+    shared_pass: bool = False  # the sensitivity came from the scoring pass (no pass of its own)
 
     def record(self) -> dict:
-        return {"layer_sensitivity": [float(f"{v:.6g}") for v in self.sensitivity], "seconds": round(self.seconds, 2)}
+        out = {"layer_sensitivity": [float(f"{v:.6g}") for v in self.sensitivity], "seconds": round(self.seconds, 2)}
+        if self.shared_pass:
+            out["sensitivity_from"] = "the scoring pass"
+        return out
 
 
 def obs_selection(model: nn.Module, adapter: Adapter, geometry: Sequence[LayerHeads], scores: Sequence[Sequence[float]],
                   target: Target, total: int, batches: Sequence[dict], objective: str, *, damping: float,
-                  anchor: float) -> ObsAllocation:
+                  anchor: float, sensitivity: LayerSensitivity | None = None) -> ObsAllocation:
     """`total` heads removed, split over the layers by sensitivity x refit error (module doc); inside a
-    layer the first steps of the scores (the refit re-chooses the heads with --compensate)."""
+    layer the first steps of the scores (the refit re-chooses the heads with --compensate).
+    `sensitivity`: measured already on these blocks (a `SensitivityProbe` attached while scoring);
+    else one forward and backward pass over `batches` measures it here."""
     if math.isinf(anchor):
         raise UsageError("--normalize obs allocates by what the refit repairs: it needs a refit (an --anchor "
                          "that is not inf)")
     steps = layer_steps(scores, geometry, target)
     counts = [[0] + [sum(len(s) for s in st[:k]) for k in range(1, len(st) + 1)] for st in steps]
-    sens = layer_sensitivity(model, adapter, batches, objective)
+    sens = sensitivity if sensitivity is not None else layer_sensitivity(model, adapter, batches, objective)
     t0 = time.perf_counter()
     per_token = [e / max(sens.tokens, 1) for e in sens.gradient_energy]
     errors = layer_errors(model, adapter, geometry, [g / max(sens.tokens, 1) for g in sens.grams], counts,
@@ -191,4 +231,4 @@ def obs_selection(model: nn.Module, adapter: Adapter, geometry: Sequence[LayerHe
         raise UsageError(f"no split of {total} heads over the layers' removal steps exists")
     taken = [ns.index(n) for ns, n in zip(counts, split)]  # counts are the steps' running totals
     return ObsAllocation(selection_from_steps(geometry, steps, taken), per_token,
-                         sens.seconds + time.perf_counter() - t0)
+                         sens.seconds + time.perf_counter() - t0, sensitivity is not None)
