@@ -469,6 +469,14 @@ def check_method(method: str, objective: str | None) -> str:
     return method
 
 
+def carries_probe(method: str, objective: str | None, iterative: int = 0) -> bool:
+    """Whether scoring with `method` on `objective` runs the passes a SensitivityProbe can ride on: one
+    round of a gradient-type estimator of the lm or mlm loss itself, in one process (its statistics are
+    then those of `layer_sensitivity` on the same blocks)."""
+    return (not iterative and objective in ("lm", "mlm") and method in DATA_METHODS
+            and check_method(method, objective) in ("gradient", "taylor", "fisher") and rank_and_world()[1] == 1)
+
+
 def score_heads(
     model: nn.Module,
     adapter: Adapter,
@@ -497,8 +505,7 @@ def score_heads(
     t_start = time.perf_counter()
     geometry = list(geometry or adapter.geometry(model.config))
     estimator = check_method(method, objective)
-    if probe is not None and (iterative or estimator not in ("gradient", "taylor", "fisher")
-                              or objective not in ("lm", "mlm") or rank_and_world()[1] > 1):
+    if probe is not None and not carries_probe(method, objective, iterative):
         raise ValueError("a sensitivity probe rides on one round of gradient scoring of the lm or mlm loss, "
                          "in one process")
     norm = resolve_normalize(normalize, method)

@@ -116,8 +116,7 @@ class SensitivityProbe:
     def add_gradients(self, grads: Sequence[torch.Tensor | None], scale: float, tokens: int) -> None:
         for i, g in zip(self._order, grads):
             if g is not None:
-                g = g.detach().to(torch.float64)
-                self.energy[i] += float((g * scale).pow(2).sum() if scale != 1.0 else g.pow(2).sum())
+                self.energy[i] += float((g.detach().to(torch.float64) * scale).pow(2).sum())
         self.tokens += tokens
 
     def result(self, seconds: float = 0.0) -> LayerSensitivity:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..console import info
-from ..distributed import rank_and_world
 from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_auto
 from ..data.selfgen import can_sample
 from ..data.sources import DataSpec, is_auto, reads_stdin, self_source
@@ -18,7 +17,7 @@ from ..io.sizes import parse_size
 from ..measure.evaluation import evaluate, paired_difference, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import read_scores
-from ..measure.scoring import DATA_METHODS, ScoreResult, normalize_scores, score_heads
+from ..measure.scoring import DATA_METHODS, ScoreResult, carries_probe, normalize_scores, score_heads
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
 from ..model.placement import require_resident_weights, sequential_placement
@@ -229,27 +228,20 @@ def _sensitivity_probe(lm: LoadedModel, req: PruneRequest, spec: DataSpec | None
     now and will allocate by obs on the same blocks with the same loss: the allocation's own forward and
     backward pass is then saved (about a third of a default prune's time on SmolLM2). None elsewhere:
     scores from a document, another method or objective, several processes."""
-    if spec is None or req.scores is not None or not _plans_obs(req, spec):
+    if spec is None or req.scores is not None or not _plans_obs(req):
         return None
-    objective = resolve_objective(req.objective, lm.task, None)
-    if objective not in ("lm", "mlm") or resolve_objective(req.objective, lm.task, spec.label_column) != objective:
-        return None
-    if req.method not in ("gradient", "taylor", "fisher") or rank_and_world()[1] > 1:
+    objective = resolve_objective(req.objective, lm.task, None)  # the loss obs weighs
+    if resolve_objective(req.objective, lm.task, spec.label_column) != objective \
+            or not carries_probe(req.method, objective):
         return None
     return SensitivityProbe(lm.model, lm.adapter)
 
 
-def _plans_obs(req: PruneRequest, spec: DataSpec) -> bool:
+def _plans_obs(req: PruneRequest) -> bool:
     """Whether `normalizations` will include obs (decided before the scores exist: auto means obs
     whatever the scores are, where it means obs at all)."""
     modes = [m.strip() for m in req.normalize.split(",") if m.strip()]
-    if modes == ["auto"]:
-        return _auto_means_obs(req, spec)
-    return "obs" in modes
-
-
-def _auto_means_obs(req: PruneRequest, spec: DataSpec | None) -> bool:
-    return bool(req.compensate and spec is not None and req.threshold is None and req.auto_is_obs)
+    return req.auto_is_obs if modes == ["auto"] else "obs" in modes
 
 
 @dataclass(frozen=True)
@@ -311,7 +303,7 @@ def _auto_normalizations(req: PruneRequest, scored: Scored, spec: DataSpec | Non
     scored."""
     if not req.compensate or spec is None or objective not in ("lm", "mlm") or req.threshold is not None:
         return None
-    if _auto_means_obs(req, spec):
+    if req.auto_is_obs:
         return ["obs"]
     comparable = (scored.raw is not None and not scored.iterative and scored.method in DATA_METHODS
                   and spec.max_samples is not None)
