@@ -27,6 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_clock, run as a script
+from bench_cross_domain import EARLIER_REFIT  # noqa: E402
 from run_clock import RunClock  # noqa: E402
 
 from headtool.surgery import merging as C
@@ -96,8 +97,9 @@ def main() -> None:
             for compensate in (False, True):
                 t0 = time.perf_counter()
                 model = copy.deepcopy(lm.model)
+                # the refit settings quality.json's rows ran at (the library's defaults then)
                 r = prune(model_from_object(model, lm.tokenizer), sel, compensate=compensate,
-                          calib_batches=cal.batches if compensate else None)
+                          calib_batches=cal.batches if compensate else None, **EARLIER_REFIT)
                 e = evaluate(model, ev.batches, "lm")
                 row = {"fraction": fraction, "method": method, "compensate": compensate,
                        "heads_removed": r.summary()["heads_removed"], "loss": e["loss"],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 from types import SimpleNamespace
@@ -30,8 +31,10 @@ from headtool.surgery.compensation import (
     squared_error,
 )
 from headtool.surgery.merging import convert_model
+from headtool.surgery.prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 from headtool.surgery.pruning import markdown_table, prune, prune_layer
 from headtool.surgery.selection import Selection
+from headtool.workflows.requests import PruneRequest
 
 
 def _stats(x: torch.Tensor, y: torch.Tensor) -> LayerStats:
@@ -355,7 +358,7 @@ def test_prune_records_each_layers_anchor_in_the_summary_and_the_table():
     loaded = SimpleNamespace(model=model, adapter=adapter)
     selection = Selection.from_kept(geo, [(1, 3), (0, 1, 2, 3), (0, 2)])  # one head per KV group left
     result = prune(loaded, selection, calib_batches=_blocks(1, 200, 1), heldout_batches=_blocks(200, 400, 2),
-                   compensate=True, anchor=[0.0, 1.0])
+                   compensate=True, anchor=[0.0, 1.0], anchor_power=0.0)  # the candidates as given
     comp = result.summary()["compensation"]
     assert [r["layer"] for r in comp] == [0, 2]
     for r in comp:
@@ -385,7 +388,7 @@ def test_convert_with_anchor_inf_is_the_merge_without_refit_bit_for_bit():
 def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(family):
     """--anchor-power P: a layer that keeps k of h heads is refit with anchor x (k/h)^P (a layer that
     keeps all of them, refit with --refit-layers all, with the anchor as given); P = 0 is today's prune
-    bit for bit."""
+    bit for bit; the library's default is the CLI's (DEFAULT_ANCHOR_POWER)."""
     base = tiny_model(family, num_key_value_heads=4).eval() if family == "llama" else tiny_model(family).eval()
     adapter = adapter_for(base.config)
     geo = adapter.geometry(base.config)
@@ -398,9 +401,10 @@ def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(f
         res = prune(SimpleNamespace(model=m, adapter=adapter), selection, calib_batches=_blocks(1, 200, 1),
                     compensate=True, choose_in_layer="scores", refit_layers="all", anchor=0.5, **kw)
         return m, {r["layer"]: r for r in res.compensation}
-    m0, _ = run()
-    m_zero, _ = run(anchor_power=0.0)
-    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m_zero.state_dict().values()))
+    m0, _ = run(anchor_power=0.0)
+    m_default, _ = run()
+    m_stated, _ = run(anchor_power=DEFAULT_ANCHOR_POWER)
+    assert all(torch.equal(a, b) for a, b in zip(m_default.state_dict().values(), m_stated.state_dict().values()))
     m2, rows = run(anchor_power=2.0)
     expected = {0: 0.5 / h ** 2, 1: 0.5, 2: 0.5 * ((h - 1) / h) ** 2}
     for layer, strength in expected.items():
@@ -410,3 +414,12 @@ def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(f
     with pytest.raises(UsageError, match="anchor-power"):
         prune(SimpleNamespace(model=copy.deepcopy(base), adapter=adapter), selection,
               calib_batches=_blocks(1, 200, 1), compensate=True, anchor_power=-1.0)
+
+
+def test_library_prune_refits_at_the_settings_the_cli_uses():
+    """surgery.pruning.prune() called without refit settings refits as `headtool prune --compensate` does
+    (it kept the settings from before they were measured, damping 0.01 and power 0, while the CLI moved)."""
+    params = inspect.signature(prune).parameters
+    cli = PruneRequest(model="m", fraction=0.25, compensate=True)
+    assert params["damping"].default == cli.damping == DEFAULT_PRUNE_DAMPING
+    assert params["anchor_power"].default == cli.power == DEFAULT_ANCHOR_POWER

@@ -35,6 +35,7 @@ from .compensation import (
     removal_cost,
     sequential_refit,
 )
+from .prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 from .selection import Selection, choose_removal
 
 CHOICES = ("auto", "scores", "refit")
@@ -159,9 +160,9 @@ def prune(
     compensate: bool = False,
     choose_in_layer: str = "auto",
     refit_layers: str = "pruned",
-    damping: float = 1e-2,
+    damping: float = DEFAULT_PRUNE_DAMPING,
     anchor: float | Sequence[float] = DEFAULT_ANCHOR,
-    anchor_power: float = 0.0,
+    anchor_power: float = DEFAULT_ANCHOR_POWER,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
     calib_device=None,
@@ -184,7 +185,9 @@ def prune(
     calibration never saw. Heads are chosen ('refit') for the weakest finite candidate.
     `anchor_power` P scales a layer's refit anchor by (kept heads / heads) ** P
     (compensation.kept_share_anchor): the more heads a layer loses, the freer its refit. Which heads
-    go is still chosen at `anchor` (costed at the freer anchor, the choices held up worse).
+    go is still chosen at `anchor` (costed at the freer anchor, the choices held up worse). `damping`
+    and `anchor_power` default to what `headtool prune --compensate` uses (prune_defaults.py: 0.001
+    and 3, measured out of domain); 0.01 and 0 are the refit before those measurements.
     """
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")

@@ -16,6 +16,7 @@ from typing import ClassVar
 from ..data.sources import AUTO_SOURCE, DataSpec
 from ..model.placement import LoadOptions
 from ..optionspec import CLI_ONLY, RECIPE, option
+from ..surgery.prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 from ..train.options import HealOptions
 
 # the methods each step accepts (tests check these against the code that implements them)
@@ -30,16 +31,6 @@ RANK_ALLOCATIONS = ("uniform", "auto")
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
 CALIBRATION_BLOCKS = 64
 
-# prune --anchor-power with --compensate: a layer that keeps k of h heads is refit at anchor x (k/h)^3.
-# Measured out of domain on SmolLM2 (bench_obs_allocation, five calibration samples): power 2 and 3 were
-# better than 0 on news, legal and wiki in every sample at 25% and 50% of the heads, 3 a little more than 2.
-DEFAULT_ANCHOR_POWER = 3.0
-# prune --damping: the ridge toward zero under the anchor's ridge toward the weights. At the freer anchors
-# of --anchor-power 3 (0.037 for a layer keeping 3 of 9 heads) 0.01 pulled the refit toward zero as hard as
-# the anchor pulls it toward the weights; 0.001 was better on news, legal and wiki in 27 of 30 cells of
-# five calibration samples at 25% and 50% of SmolLM2's heads (bench_obs_allocation --damping), 0.0001
-# no better than 0.001 on two samples.
-DEFAULT_PRUNE_DAMPING = 1e-3
 ANCHOR_HELP = ("how hard each refit is pulled toward the weights without a refit, relative to the mean diagonal "
                "of the Gram matrix: a number (0: the plain least-squares refit, inf: no refit; 1 held up best on "
                "text the calibration never saw) | a comma list of candidates, or auto (0, 0.01, 0.1, 1, 10, "
