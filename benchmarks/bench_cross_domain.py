@@ -548,6 +548,11 @@ def refit_settings(row: dict) -> dict | None:
     return {k: row.get(k, v) for k, v in EARLIER_REFIT.items()}
 
 
+def earlier_refit_flags() -> str:
+    """EARLIER_REFIT as the flags the README's prose names (`--anchor-power 0 --damping 0.01`)."""
+    return " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in EARLIER_REFIT.items())
+
+
 def refit_flags(row: dict) -> str:
     """The refit settings a row ran at where they differ from today's defaults, as flags."""
     return "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in (refit_settings(row) or {}).items()

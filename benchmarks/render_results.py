@@ -85,7 +85,7 @@ def calibration_size_section(docs: list[dict]) -> str:
     """One table over runs of bench_cross_domain that differ only in --cal and --seed: what more
     calibration text buys out of domain, how much another sample of the same size moves it, and the cost."""
     from bench_cross_domain import (BEFORE_OBS, BEFORE_OBS_NOTE, EARLIER_REFIT, auto_before_obs, chosen_allocation,
-                                    refit_settings, self_judged_blocks)
+                                    earlier_refit_flags, refit_settings, self_judged_blocks)
 
     def key(doc: dict) -> tuple[int, int]:
         return doc["settings"]["cal"], doc["settings"].get("seed", 0)
@@ -107,7 +107,7 @@ def calibration_size_section(docs: list[dict]) -> str:
         + (f"`--normalize auto` as it was when these ran, `layer,none` choosing on {self_judged_blocks(prunes)} "
            f"blocks of self text the calibration did not read ({BEFORE_OBS})" if any(auto_before_obs(r) for r in prunes)
            else "`--normalize auto`")
-        + (", `--anchor 1 --anchor-power 0 --damping 0.01` (the defaults then)"
+        + (f", `--anchor 1 {earlier_refit_flags()}` (the defaults then)"
            if any(refit_settings(r) == EARLIER_REFIT for r in prunes) else ", `--anchor 1`")
         + ", the first layer protected) calibrated on "
         f"more or fewer blocks of `{cal}` (half each; {', '.join(map(str, sizes))} blocks of 128 tokens; the CLI "
@@ -201,10 +201,13 @@ def allocation_section(doc: dict) -> str:
 def obs_allocation_section(doc: dict) -> str:
     from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
 
+    from bench_cross_domain import EARLIER_REFIT, earlier_refit_flags
+
     from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 
     st = doc["settings"]
     damping = damping_flag(doc)
+    earlier = f"{EARLIER_REFIT['damping']:g}"
     if st.get("anchor_power"):
         return "\n".join([
             "### A freer refit where a layer lost more heads ("
@@ -217,9 +220,9 @@ def obs_allocation_section(doc: dict) -> str:
             "when the power is 2; the counts per layer and the heads inside each layer are still chosen at the "
             "anchor itself (costed at the freer anchors, the split piled the heads into fewer layers and lost on "
             "seeds 0-1)"
-            + (f". Here the ridge toward zero under the anchor is{damping} (0.01 in the rows compared "
-               "with and in the tables above): at the freer anchors 0.01 pulled toward zero about as hard as the "
-               "anchor pulls toward the weights. Beside every sample, the same power at `--damping 0.01`"
+            + (f". Here the ridge toward zero under the anchor is{damping} ({earlier} in the rows compared "
+               f"with and in the tables above): at the freer anchors {earlier} pulled toward zero about as hard as "
+               f"the anchor pulls toward the weights. Beside every sample, the same power at `--damping {earlier}`"
                if damping else ". Beside every sample, the row without the power")
             + "; the judge loss carries its paired "
             "difference from that row's. Seconds: the whole prune, each from its own run (not compared).",
@@ -233,7 +236,7 @@ def obs_allocation_section(doc: dict) -> str:
         f"{_seed_span(st['seeds'])}, no training",
         "",
         f"prune at its defaults on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`) "
-        "with `--normalize obs` and one anchor for every layer (`--anchor-power 0 --damping 0.01`, the defaults "
+        f"with `--normalize obs` and one anchor for every layer (`{earlier_refit_flags()}`, the defaults "
         f"when these ran; `--anchor-power {DEFAULT_ANCHOR_POWER:g} --damping {DEFAULT_PRUNE_DAMPING:g}` now, the "
         "tables below): each layer's count from the error the anchored refit leaves after removing the "
         "heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
@@ -251,6 +254,7 @@ def obs_allocation_section(doc: dict) -> str:
 
 
 def kv_groups_section(doc: dict) -> str:
+    from bench_cross_domain import earlier_refit_flags
     from bench_kv_groups import render
 
     st = doc["settings"]
@@ -264,7 +268,7 @@ def kv_groups_section(doc: dict) -> str:
         f"on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`"
         + ("; `--normalize auto` as it was when this ran: `layer,none` judged on self text"
            if any(r.get("allocation") in ("layer", "none") for r in doc["rows"]) else "")
-        + ("; one anchor for every layer, `--anchor-power 0 --damping 0.01`, the defaults then"
+        + (f"; one anchor for every layer, `{earlier_refit_flags()}`, the defaults then"
            if "anchor_power" not in st else f"; `--anchor-power {st['anchor_power']:g} --damping {st['damping']:g}`")
         + "), the same number of heads, "
         "out-of-domain ratios as above. A measurement of the choice, not a way to prune (the expanded cache is "
