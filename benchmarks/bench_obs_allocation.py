@@ -9,9 +9,13 @@ on (so its paired difference from `auto`'s pick is known: bench_allocation recor
 for the same samples), and evaluated out of domain as bench_cross_domain.py. The table puts every sample
 beside what `auto` and `layer,geometric,none --allocation-margin 1` kept in benchmarks/results/
 allocation*.json (the same calibration, evaluation blocks and machine: their ratios reproduce to the
-digit), with geometric means over the samples.
+digit), with geometric means over the samples. With `--cal N` other than 64 (prune's default with
+`--compensate` is 128 since 2026-12-06) the table sets each sample beside the 64-block run at the same
+`--anchor-power` and `--damping` (a larger calibration adds blocks to the same ones).
 
     python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4,5,6,7,8,9 --fractions 0.25,0.5
+    python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4 --fractions 0.25,0.5 --cal 128 \
+        --anchor-power 3 --damping 0.001 --out benchmarks/results/obs_blocks_128.json
 """
 from __future__ import annotations
 
@@ -74,7 +78,10 @@ def main() -> None:
             run.clock.log(f"seed {seed} {fraction:.0%} obs: judge {row['judge_loss']:.4f}, " + " / ".join(
                 f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
             run.save(doc)
-    print(render_power(doc, obs_rows(power=compared_power(doc))) if a.anchor_power else render(doc, baselines()))
+    if a.cal != 64:
+        print(render_blocks(doc, blocks_rows(doc)))
+    else:
+        print(render_power(doc, obs_rows(power=compared_power(doc))) if a.anchor_power else render(doc, baselines()))
 
 
 def baselines(folder: Path = HERE / "results") -> dict:
@@ -140,15 +147,50 @@ def mean_line(fraction: float, name: str, got: list[dict], order: list[str], bea
             + " | ".join(f"**{geomean([e[n]['ratio'] for e in got]):.3f}x**" for n in order) + " | | |")
 
 
-def obs_rows(folder: Path = HERE / "results", power: float = 0.0) -> dict:
-    """Rows of obs_allocation*.json pruned at --anchor-power `power` and --damping 0.01, by (seed, fraction)."""
+def obs_rows(folder: Path = HERE / "results", power: float = 0.0, damping: float | None = None,
+             cal: int = 64) -> dict:
+    """Rows of obs_allocation*.json pruned at --anchor-power `power` and `damping` (default the 0.01 the
+    power tables compare with) on `cal` calibration blocks, by (seed, fraction)."""
+    damping = cross.EARLIER_REFIT["damping"] if damping is None else damping
     rows = {}
     for path in sorted(folder.glob("obs_allocation*.json")):
         doc = json.loads(path.read_text())
         st = {**cross.EARLIER_REFIT, **doc["settings"]}
-        if st["anchor_power"] == power and st["damping"] == cross.EARLIER_REFIT["damping"]:
+        if st["anchor_power"] == power and st["damping"] == damping and st.get("cal", 64) == cal:
             rows.update({(r["seed"], r["fraction"]): r for r in doc["rows"]})
     return rows
+
+
+def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict:
+    """The 64-block rows a run on more calibration blocks is set beside: the same power and damping."""
+    st = doc["settings"]
+    return obs_rows(folder, st["anchor_power"], st.get("damping", cross.EARLIER_REFIT["damping"]))
+
+
+def render_blocks(doc: dict, plain: dict) -> str:
+    """Per fraction and sample: obs on `cal` calibration blocks beside the same prune on 64 (the first 64 of
+    the same sample: a larger calibration adds blocks), then geometric means and wins. No judge column:
+    each run's judge is the self text after its own calibration, so the two are not paired."""
+    order = doc["order"]
+    cal = doc["settings"]["cal"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    lines = ["| removed | calibration sample | calibration blocks | " + " | ".join(labels)
+             + " | heads a layer lost (the counts that occur) | seconds of the prune |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in order) + " | --- | ---: |"]
+    for fraction in doc["settings"]["fractions"]:
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in plain]
+        for r in rows:
+            for blocks, row in ((cal, r), (64, plain[(r["seed"], fraction)])):
+                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {blocks} | "
+                             + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
+                             + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | "
+                             f"{row['prune_seconds']:.0f} |")
+        if len(rows) > 1:
+            fewer = [plain[(r["seed"], fraction)]["eval"] for r in rows]
+            lines.append(mean_line(fraction, f"{cal} blocks", [r["eval"] for r in rows], order, fewer,
+                                   "samples better than 64 blocks"))
+            lines.append(mean_line(fraction, "64 blocks", fewer, order))
+    return "\n".join(lines)
 
 
 def compared_power(doc: dict) -> float:

@@ -253,6 +253,29 @@ def obs_allocation_section(doc: dict) -> str:
     ])
 
 
+def obs_blocks_section(doc: dict) -> str:
+    from bench_obs_allocation import blocks_rows, render_blocks
+
+    st = doc["settings"]
+    return "\n".join([
+        f"### More calibration text for the refit (`--max-samples {st['cal']}`): SmolLM2-135M, samples "
+        f"{_seed_span(st['seeds'])}, no training",
+        "",
+        f"The prunes of the table above (`--normalize obs`, `--anchor-power {st['anchor_power']:g} --damping "
+        f"{st['damping']:g}`, the first layer protected, the same evaluation blocks) calibrated on {st['cal']} "
+        f"blocks of `{st['calibration']}` instead of 64 (half each; the first 64 are the 64-block run's: a "
+        "larger calibration adds blocks to the same sample), set beside that run sample by sample. Scores, the "
+        "allocation's statistics and the refit all read the larger calibration. From this run `prune "
+        f"--compensate` reads {st['cal']} blocks unless `--max-samples` says otherwise (64 without "
+        "`--compensate`). Seconds: the whole prune (statistics, refit, no evaluation), each from its own run "
+        "(not compared).",
+        "",
+        render_blocks(doc, blocks_rows(doc, RESULTS)),
+        "",
+        f"`{doc['command']}`",
+    ])
+
+
 def kv_groups_section(doc: dict) -> str:
     from bench_cross_domain import earlier_refit_flags
     from bench_kv_groups import render
@@ -554,6 +577,7 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
             ("allocation*.json", allocation_section), ("obs_allocation*.json", obs_allocation_section),
+            ("obs_blocks_*.json", obs_blocks_section),
             ("kv_groups*.json", kv_groups_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),

@@ -131,8 +131,9 @@ def test_defaults_that_drifted_are_one_now():
     prune = build_request(recipe, {"step": "prune", "fraction": 0.2, "compensate": True})
     assert conv.heldout_samples is None and conv.eval_samples == 32
     assert prune.heldout_samples == 0 and prune.eval_samples == 32
-    assert requests.ConvertRequest.default_blocks == requests.PruneRequest.default_blocks == \
-        requests.CALIBRATION_BLOCKS
+    assert requests.ConvertRequest.default_blocks == requests.CALIBRATION_BLOCKS
+    assert prune.default_blocks == requests.PRUNE_CALIBRATION_BLOCKS  # --compensate's refit reads more
+    assert build_request(recipe, {"step": "prune", "fraction": 0.2}).default_blocks == requests.CALIBRATION_BLOCKS
     heal = build_request(recipe, {"step": "heal"})
     assert heal.eval_samples == 16 and heal.opts == dataclasses.replace(requests.HealOptions(), seed=0)
 

@@ -205,3 +205,26 @@ def test_rows_where_auto_compared_layer_and_none_are_marked_as_before_obs():
     assert f"`--normalize auto` (chose layer{BEFORE_OBS})" in table and BEFORE_OBS_NOTE in table
     doc["rows"][0]["allocation"] = {"normalize": "obs", "candidates": [{"normalize": "obs"}]}
     assert BEFORE_OBS not in render(doc)
+
+
+def test_a_larger_calibration_run_is_set_beside_the_64_block_rows_and_never_mixed_into_them(tmp_path):
+    """bench_obs_allocation --cal 128: its rows are compared with the 64-block rows at the same power and
+    damping, and a 64-block lookup (the power tables) never picks them up, whatever the file is called."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_obs_allocation import blocks_rows, obs_rows, render_blocks
+
+    def doc(cal: int, news: float) -> dict:
+        row = {"seed": 0, "fraction": 0.5, "heads_removed": 135, "removed_per_layer": [0, 3, 6],
+               "prune_seconds": 60.0, "eval": {"news": {"perplexity": 50.0, "ratio": news}}}
+        return {"settings": {"seeds": [0], "fractions": [0.5], "cal": cal, "anchor_power": 3.0, "damping": 0.001},
+                "order": ["news"], "domains": {"news": {"label": "news"}}, "rows": [row, {**row, "seed": 1}]}
+    (tmp_path / "obs_allocation_power3_damping.json").write_text(json.dumps(doc(64, 1.5)))
+    (tmp_path / "obs_allocation_more.json").write_text(json.dumps(doc(128, 1.4)))
+    at64 = obs_rows(tmp_path, 3.0, 0.001)
+    assert {r["eval"]["news"]["ratio"] for r in at64.values()} == {1.5}
+    assert obs_rows(tmp_path, 3.0, 0.001, cal=128)[(0, 0.5)]["eval"]["news"]["ratio"] == 1.4
+    table = render_blocks(doc(128, 1.4), blocks_rows(doc(128, 1.4), tmp_path))
+    assert "| 50% (135) | 0 | 128 | 1.400x |" in table and "| 50% (135) | 0 | 64 | 1.500x |" in table
+    assert "128 blocks (samples better than 64 blocks: 2/2 news) | | **1.400x**" in table
