@@ -167,6 +167,14 @@ def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict:
     return obs_rows(folder, st["anchor_power"], st.get("damping", cross.EARLIER_REFIT["damping"]))
 
 
+def sample_line(first: dict, cells: list[str], row: dict, order: list[str]) -> str:
+    """One table row of a sample (`first`: the run's row, for the fraction, heads and seed): `cells` after
+    the sample, then `row`'s ratios, the counts a layer lost and the prune's seconds."""
+    return (f"| {first['fraction']:.0%} ({first['heads_removed']}) | {first['seed']} | " + " | ".join(cells) + " | "
+            + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
+            + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | {row['prune_seconds']:.0f} |")
+
+
 def render_blocks(doc: dict, plain: dict) -> str:
     """Per fraction and sample: obs on `cal` calibration blocks beside the same prune on 64 (the first 64 of
     the same sample: a larger calibration adds blocks), then geometric means and wins. No judge column:
@@ -181,10 +189,7 @@ def render_blocks(doc: dict, plain: dict) -> str:
         rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in plain]
         for r in rows:
             for blocks, row in ((cal, r), (64, plain[(r["seed"], fraction)])):
-                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {blocks} | "
-                             + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
-                             + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | "
-                             f"{row['prune_seconds']:.0f} |")
+                lines.append(sample_line(r, [str(blocks)], row, order))
         if len(rows) > 1:
             fewer = [plain[(r["seed"], fraction)]["eval"] for r in rows]
             lines.append(mean_line(fraction, f"{cal} blocks", [r["eval"] for r in rows], order, fewer,
@@ -223,10 +228,7 @@ def render_power(doc: dict, plain: dict) -> str:
             diff, se = paired_difference(r["judge_block_sums"], b["judge_block_sums"], b["judge_block_weights"])
             for p, judge, row in ((setting, f"{r['judge_loss']:.4f} ({diff:+.4f} ± {se:.4f})", r),
                                   (base, f"{b['judge_loss']:.4f}", b)):
-                lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {p} | {judge} | "
-                             + " | ".join(f"{row['eval'][n]['ratio']:.3f}x" for n in order)
-                             + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | "
-                             f"{row['prune_seconds']:.0f} |")
+                lines.append(sample_line(r, [p, judge], row, order))
         if len(rows) > 1:
             without = [plain[(r["seed"], fraction)]["eval"] for r in rows]
             lines.append(mean_line(fraction, setting, [r["eval"] for r in rows], order, without,
