@@ -548,15 +548,20 @@ def refit_settings(row: dict) -> dict | None:
     return {k: row.get(k, v) for k, v in EARLIER_REFIT.items()}
 
 
+def as_flags(settings: dict) -> str:
+    """Refit settings ({anchor_power: 0, damping: 0.01}) as prune's flags (`--anchor-power 0 --damping 0.01`)."""
+    return " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in settings.items())
+
+
 def earlier_refit_flags() -> str:
-    """EARLIER_REFIT as the flags the README's prose names (`--anchor-power 0 --damping 0.01`)."""
-    return " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in EARLIER_REFIT.items())
+    """EARLIER_REFIT as the flags the README's prose names."""
+    return as_flags(EARLIER_REFIT)
 
 
 def refit_flags(row: dict) -> str:
     """The refit settings a row ran at where they differ from today's defaults, as flags."""
-    return "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in (refit_settings(row) or {}).items()
-                   if v != REFIT_DEFAULTS[k])
+    changed = {k: v for k, v in (refit_settings(row) or {}).items() if v != REFIT_DEFAULTS[k]}
+    return f" {as_flags(changed)}" if changed else ""
 
 
 def chosen_allocation(row: dict) -> str | None:

@@ -78,7 +78,7 @@ def main() -> None:
             run.clock.log(f"seed {seed} {fraction:.0%} obs: judge {row['judge_loss']:.4f}, " + " / ".join(
                 f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
             run.save(doc)
-    if a.cal != 64:
+    if a.cal != COMPARED_CAL:
         print(render_blocks(doc, blocks_rows(doc)))
     else:
         print(render_power(doc, obs_rows(power=compared_power(doc))) if a.anchor_power else render(doc, baselines()))
@@ -147,8 +147,12 @@ def mean_line(fraction: float, name: str, got: list[dict], order: list[str], bea
             + " | ".join(f"**{geomean([e[n]['ratio'] for e in got]):.3f}x**" for n in order) + " | | |")
 
 
+#: the calibration size of the runs every other table compares with (the CLI's before 2026-12-06)
+COMPARED_CAL = 64
+
+
 def obs_rows(folder: Path = HERE / "results", power: float = 0.0, damping: float | None = None,
-             cal: int = 64) -> dict:
+             cal: int = COMPARED_CAL) -> dict:
     """Rows of obs_allocation*.json pruned at --anchor-power `power` and `damping` (default the 0.01 the
     power tables compare with) on `cal` calibration blocks, by (seed, fraction)."""
     damping = cross.EARLIER_REFIT["damping"] if damping is None else damping
@@ -156,15 +160,15 @@ def obs_rows(folder: Path = HERE / "results", power: float = 0.0, damping: float
     for path in sorted(folder.glob("obs_allocation*.json")):
         doc = json.loads(path.read_text())
         st = {**cross.EARLIER_REFIT, **doc["settings"]}
-        if st["anchor_power"] == power and st["damping"] == damping and st.get("cal", 64) == cal:
+        if st["anchor_power"] == power and st["damping"] == damping and st.get("cal", COMPARED_CAL) == cal:
             rows.update({(r["seed"], r["fraction"]): r for r in doc["rows"]})
     return rows
 
 
 def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict:
-    """The 64-block rows a run on more calibration blocks is set beside: the same power and damping."""
+    """The COMPARED_CAL-block rows a run on more calibration blocks is set beside: the same power and damping."""
     st = doc["settings"]
-    return obs_rows(folder, st["anchor_power"], st.get("damping", cross.EARLIER_REFIT["damping"]))
+    return obs_rows(folder, st["anchor_power"], st.get("damping"))
 
 
 def sample_line(first: dict, cells: list[str], row: dict, order: list[str]) -> str:
@@ -188,13 +192,13 @@ def render_blocks(doc: dict, plain: dict) -> str:
     for fraction in doc["settings"]["fractions"]:
         rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in plain]
         for r in rows:
-            for blocks, row in ((cal, r), (64, plain[(r["seed"], fraction)])):
+            for blocks, row in ((cal, r), (COMPARED_CAL, plain[(r["seed"], fraction)])):
                 lines.append(sample_line(r, [str(blocks)], row, order))
         if len(rows) > 1:
             fewer = [plain[(r["seed"], fraction)]["eval"] for r in rows]
             lines.append(mean_line(fraction, f"{cal} blocks", [r["eval"] for r in rows], order, fewer,
-                                   "samples better than 64 blocks"))
-            lines.append(mean_line(fraction, "64 blocks", fewer, order))
+                                   f"samples better than {COMPARED_CAL} blocks"))
+            lines.append(mean_line(fraction, f"{COMPARED_CAL} blocks", fewer, order))
     return "\n".join(lines)
 
 

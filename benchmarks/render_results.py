@@ -199,9 +199,8 @@ def allocation_section(doc: dict) -> str:
 
 
 def obs_allocation_section(doc: dict) -> str:
-    from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
-
     from bench_cross_domain import EARLIER_REFIT, earlier_refit_flags
+    from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
 
     from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 

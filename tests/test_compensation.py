@@ -387,8 +387,8 @@ def test_convert_with_anchor_inf_is_the_merge_without_refit_bit_for_bit():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(family):
     """--anchor-power P: a layer that keeps k of h heads is refit with anchor x (k/h)^P (a layer that
-    keeps all of them, refit with --refit-layers all, with the anchor as given); P = 0 is today's prune
-    bit for bit; the library's default is the CLI's (DEFAULT_ANCHOR_POWER)."""
+    keeps all of them, refit with --refit-layers all, with the anchor as given); P = 0 is one anchor for
+    every layer; the library's default is the CLI's (DEFAULT_ANCHOR_POWER)."""
     base = tiny_model(family, num_key_value_heads=4).eval() if family == "llama" else tiny_model(family).eval()
     adapter = adapter_for(base.config)
     geo = adapter.geometry(base.config)
