@@ -151,24 +151,36 @@ def mean_line(fraction: float, name: str, got: list[dict], order: list[str], bea
 COMPARED_CAL = 64
 
 
+def _runs(folder: Path, power: float, damping: float | None) -> list[tuple[int, list[dict]]]:
+    """(calibration blocks, rows) of every obs run in `folder` (obs_allocation*.json, obs_blocks_*.json) pruned
+    at --anchor-power `power` and `damping` (default the 0.01 the power tables compare with)."""
+    damping = cross.EARLIER_REFIT["damping"] if damping is None else damping
+    runs = []
+    for pattern in ("obs_allocation*.json", "obs_blocks_*.json"):
+        for path in sorted(folder.glob(pattern)):
+            doc = json.loads(path.read_text())
+            st = {**cross.EARLIER_REFIT, **doc["settings"]}
+            if st["anchor_power"] == power and st["damping"] == damping:
+                runs.append((st.get("cal", COMPARED_CAL), doc["rows"]))
+    return runs
+
+
 def obs_rows(folder: Path = HERE / "results", power: float = 0.0, damping: float | None = None,
              cal: int = COMPARED_CAL) -> dict:
-    """Rows of obs_allocation*.json pruned at --anchor-power `power` and `damping` (default the 0.01 the
-    power tables compare with) on `cal` calibration blocks, by (seed, fraction)."""
-    damping = cross.EARLIER_REFIT["damping"] if damping is None else damping
-    rows = {}
-    for path in sorted(folder.glob("obs_allocation*.json")):
-        doc = json.loads(path.read_text())
-        st = {**cross.EARLIER_REFIT, **doc["settings"]}
-        if st["anchor_power"] == power and st["damping"] == damping and st.get("cal", COMPARED_CAL) == cal:
-            rows.update({(r["seed"], r["fraction"]): r for r in doc["rows"]})
-    return rows
+    """Rows of the obs runs pruned at --anchor-power `power` and `damping` on `cal` calibration blocks, by
+    (seed, fraction)."""
+    return {(r["seed"], r["fraction"]): r for blocks, rows in _runs(folder, power, damping) if blocks == cal
+            for r in rows}
 
 
-def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict:
-    """The COMPARED_CAL-block rows a run on more calibration blocks is set beside: the same power and damping."""
+def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict[int, dict]:
+    """The rows a run on more calibration blocks is set beside, by calibration size (largest first): every
+    smaller calibration run at the same power and damping (COMPARED_CAL, the CLI's before 2026-12-06, among
+    them)."""
     st = doc["settings"]
-    return obs_rows(folder, st["anchor_power"], st.get("damping"))
+    sizes = {blocks for blocks, _ in _runs(folder, st["anchor_power"], st.get("damping")) if blocks < st["cal"]}
+    return {blocks: obs_rows(folder, st["anchor_power"], st.get("damping"), blocks)
+            for blocks in sorted(sizes, reverse=True)}
 
 
 def sample_line(first: dict, cells: list[str], row: dict, order: list[str]) -> str:
@@ -179,10 +191,11 @@ def sample_line(first: dict, cells: list[str], row: dict, order: list[str]) -> s
             + f" | {', '.join(map(str, sorted(set(row['removed_per_layer']))))} | {row['prune_seconds']:.0f} |")
 
 
-def render_blocks(doc: dict, plain: dict) -> str:
-    """Per fraction and sample: obs on `cal` calibration blocks beside the same prune on 64 (the first 64 of
-    the same sample: a larger calibration adds blocks), then geometric means and wins. No judge column:
-    each run's judge is the self text after its own calibration, so the two are not paired."""
+def render_blocks(doc: dict, smaller: dict[int, dict]) -> str:
+    """Per fraction and sample: obs on `cal` calibration blocks beside the same prune on each smaller calibration
+    (`blocks_rows`: the first blocks of the same sample, since a larger calibration adds blocks), then geometric
+    means, each with how many samples beat the next smaller calibration. Only samples every calibration ran.
+    No judge column: each run's judge is the self text after its own calibration, so they are not paired."""
     order = doc["order"]
     cal = doc["settings"]["cal"]
     labels = [doc["domains"][n].get("label", n) for n in order]
@@ -190,15 +203,20 @@ def render_blocks(doc: dict, plain: dict) -> str:
              + " | heads a layer lost (the counts that occur) | seconds of the prune |",
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in order) + " | --- | ---: |"]
     for fraction in doc["settings"]["fractions"]:
-        rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in plain]
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction
+                and all((r["seed"], fraction) in runs for runs in smaller.values())]
+        sizes = [(cal, {(r["seed"], fraction): r for r in rows}), *smaller.items()]
         for r in rows:
-            for blocks, row in ((cal, r), (COMPARED_CAL, plain[(r["seed"], fraction)])):
-                lines.append(sample_line(r, [str(blocks)], row, order))
+            for blocks, runs in sizes:
+                lines.append(sample_line(r, [str(blocks)], runs[(r["seed"], fraction)], order))
         if len(rows) > 1:
-            fewer = [plain[(r["seed"], fraction)]["eval"] for r in rows]
-            lines.append(mean_line(fraction, f"{cal} blocks", [r["eval"] for r in rows], order, fewer,
-                                   f"samples better than {COMPARED_CAL} blocks"))
-            lines.append(mean_line(fraction, f"{COMPARED_CAL} blocks", fewer, order))
+            evals = [[runs[(r["seed"], fraction)]["eval"] for r in rows] for _, runs in sizes]
+            for i, (blocks, _) in enumerate(sizes):
+                if i + 1 < len(sizes):
+                    lines.append(mean_line(fraction, f"{blocks} blocks", evals[i], order, evals[i + 1],
+                                           f"samples better than {sizes[i + 1][0]} blocks"))
+                else:
+                    lines.append(mean_line(fraction, f"{blocks} blocks", evals[i], order))
     return "\n".join(lines)
 
 

@@ -228,3 +228,35 @@ def test_a_larger_calibration_run_is_set_beside_the_64_block_rows_and_never_mixe
     table = render_blocks(doc(128, 1.4), blocks_rows(doc(128, 1.4), tmp_path))
     assert "| 50% (135) | 0 | 128 | 1.400x |" in table and "| 50% (135) | 0 | 64 | 1.500x |" in table
     assert "128 blocks (samples better than 64 blocks: 2/2 news) | | **1.400x**" in table
+
+
+def test_a_calibration_run_is_set_beside_every_smaller_one_and_only_samples_all_of_them_ran(tmp_path):
+    """bench_obs_allocation --cal 256: beside the 128- and the 64-block runs (largest first), each mean counted
+    against the next smaller calibration; a sample missing from one of them is left out of the table."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_obs_allocation import blocks_rows, render_blocks
+
+    def doc(cal: int, news: list[float], seeds=(0, 1)) -> dict:
+        rows = [{"seed": s, "fraction": 0.25, "heads_removed": 66, "removed_per_layer": [0, 3],
+                 "prune_seconds": 60.0, "eval": {"news": {"perplexity": 50.0, "ratio": n}}}
+                for s, n in zip(seeds, news)]
+        return {"settings": {"seeds": list(seeds), "fractions": [0.25], "cal": cal, "anchor_power": 3.0,
+                             "damping": 0.001}, "order": ["news"], "domains": {"news": {"label": "news"}},
+                "rows": rows}
+    (tmp_path / "obs_allocation_power3_damping.json").write_text(json.dumps(doc(64, [1.2, 1.2, 1.2], (0, 1, 2))))
+    (tmp_path / "obs_blocks_128.json").write_text(json.dumps(doc(128, [1.1, 1.3])))
+    other = doc(64, [9.0, 9.0])
+    other["settings"]["damping"] = 0.01  # another refit: never compared
+    (tmp_path / "obs_allocation.json").write_text(json.dumps(other))
+    big = doc(256, [1.0, 1.2, 1.0], (0, 1, 2))
+    smaller = blocks_rows(big, tmp_path)
+    assert list(smaller) == [128, 64]
+    table = render_blocks(big, smaller)
+    lines = [line for line in table.splitlines() if line.startswith("| 25% (66) |")]
+    assert [line.split(" | ")[1:3] for line in lines] == [["0", "256"], ["0", "128"], ["0", "64"],
+                                                          ["1", "256"], ["1", "128"], ["1", "64"]]
+    assert "256 blocks (samples better than 128 blocks: 2/2 news)" in table
+    assert "128 blocks (samples better than 64 blocks: 1/2 news)" in table
+    assert "| 64 blocks | | **1.200x** |" in table and "9.000x" not in table
