@@ -254,22 +254,27 @@ def obs_allocation_section(doc: dict) -> str:
 
 def obs_blocks_section(doc: dict) -> str:
     from bench_obs_allocation import blocks_rows, render_blocks
+    from headtool.workflows.requests import PRUNE_CALIBRATION_BLOCKS
 
     st = doc["settings"]
+    smaller = blocks_rows(doc, RESULTS)
+    sizes = " and ".join(map(str, smaller))
+    default = (f"From this run `prune --compensate` reads {st['cal']} blocks unless `--max-samples` says otherwise "
+               "(64 without `--compensate`)." if st["cal"] == PRUNE_CALIBRATION_BLOCKS else
+               f"`prune --compensate` reads {PRUNE_CALIBRATION_BLOCKS} blocks by default (`--max-samples "
+               f"{st['cal']}` gives this run's).")
     return "\n".join([
         f"### More calibration text for the refit (`--max-samples {st['cal']}`): SmolLM2-135M, samples "
         f"{_seed_span(st['seeds'])}, no training",
         "",
         f"The prunes of the table above (`--normalize obs`, `--anchor-power {st['anchor_power']:g} --damping "
         f"{st['damping']:g}`, the first layer protected, the same evaluation blocks) calibrated on {st['cal']} "
-        f"blocks of `{st['calibration']}` instead of 64 (half each; the first 64 are the 64-block run's: a "
-        "larger calibration adds blocks to the same sample), set beside that run sample by sample. Scores, the "
-        "allocation's statistics and the refit all read the larger calibration. From this run `prune "
-        f"--compensate` reads {st['cal']} blocks unless `--max-samples` says otherwise (64 without "
-        "`--compensate`). Seconds: the whole prune (statistics, refit, no evaluation), each from its own run "
-        "(not compared).",
+        f"blocks of `{st['calibration']}` instead of {sizes} (half each; a smaller calibration is the first "
+        "blocks of the same sample: a larger one adds blocks to it), set beside those runs sample by sample. "
+        "Scores, the allocation's statistics and the refit all read the larger calibration. " + default
+        + " Seconds: the whole prune (statistics, refit, no evaluation), each from its own run (not compared).",
         "",
-        render_blocks(doc, blocks_rows(doc, RESULTS)),
+        render_blocks(doc, smaller),
         "",
         f"`{doc['command']}`",
     ])
