@@ -252,7 +252,21 @@ def obs_allocation_section(doc: dict) -> str:
     ])
 
 
-def obs_blocks_section(doc: dict) -> str:
+def obs_blocks_sections(docs: list[dict]) -> str:
+    """One calibration-size table per refit setting: the largest run's, which sets every smaller run beside it
+    (the smaller obs_blocks runs add their commands)."""
+    groups: dict[tuple, list[dict]] = {}
+    for doc in docs:
+        st = doc["settings"]
+        groups.setdefault((st["anchor_power"], st.get("damping")), []).append(doc)
+    parts = []
+    for runs in groups.values():
+        runs.sort(key=lambda doc: doc["settings"]["cal"], reverse=True)
+        parts.append(obs_blocks_section(runs[0], runs[1:]))
+    return "\n\n".join(parts)
+
+
+def obs_blocks_section(doc: dict, smaller_runs: list[dict] = ()) -> str:
     from bench_obs_allocation import blocks_rows, render_blocks
     from headtool.workflows.requests import PRUNE_CALIBRATION_BLOCKS
 
@@ -277,6 +291,8 @@ def obs_blocks_section(doc: dict) -> str:
         render_blocks(doc, smaller),
         "",
         f"`{doc['command']}`",
+        *(line for run in smaller_runs
+          for line in ("", f"The {run['settings']['cal']}-block rows: `{run['command']}`")),
     ])
 
 
@@ -581,7 +597,7 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
             ("allocation*.json", allocation_section), ("obs_allocation*.json", obs_allocation_section),
-            ("obs_blocks_*.json", obs_blocks_section),
+            ("obs_blocks_*.json", obs_blocks_sections, "all"),
             ("kv_groups*.json", kv_groups_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),

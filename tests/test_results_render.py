@@ -260,3 +260,33 @@ def test_a_calibration_run_is_set_beside_every_smaller_one_and_only_samples_all_
     assert "256 blocks (samples better than 128 blocks: 2/2 news)" in table
     assert "128 blocks (samples better than 64 blocks: 1/2 news)" in table
     assert "| 64 blocks | | **1.200x** |" in table and "9.000x" not in table
+
+
+def test_calibration_size_runs_render_as_one_table_per_refit_the_largest_with_the_others_commands(tmp_path, monkeypatch):
+    """obs_blocks_128.json and obs_blocks_256.json at one refit: a single section, the 256-block table (which
+    holds the 128- and 64-block rows) with the 128-block run's command under it; it says prune's default
+    calibration, and claims to be it only where it is."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+    from headtool.workflows.requests import PRUNE_CALIBRATION_BLOCKS
+
+    def doc(cal: int) -> dict:
+        row = {"seed": 0, "fraction": 0.25, "heads_removed": 66, "removed_per_layer": [0, 3], "prune_seconds": 9.0,
+               "eval": {"news": {"perplexity": 50.0, "ratio": 1.0 + cal / 1000}}}
+        return {"command": f"python benchmarks/bench_obs_allocation.py --cal {cal}", "order": ["news"],
+                "domains": {"news": {"label": "news"}}, "rows": [row, {**row, "seed": 1}],
+                "settings": {"seeds": [0, 1], "fractions": [0.25], "cal": cal, "anchor_power": 3.0, "damping": 0.001,
+                             "calibration": "builtin:pydoc+self"}}
+    docs = {cal: doc(cal) for cal in (64, 128, 256)}
+    (tmp_path / "obs_allocation_power3_damping.json").write_text(json.dumps(docs[64]))
+    for cal in (128, 256):
+        (tmp_path / f"obs_blocks_{cal}.json").write_text(json.dumps(docs[cal]))
+    monkeypatch.setattr(render_results, "RESULTS", tmp_path)
+    text = render_results.obs_blocks_sections([docs[128], docs[256]])
+    assert text.count("### More calibration text") == 1 and "(`--max-samples 256`)" in text
+    assert "instead of 128 and 64" in text and "| 25% (66) | 1 | 128 | 1.128x |" in text
+    assert text.endswith("The 128-block rows: `python benchmarks/bench_obs_allocation.py --cal 128`")
+    assert ("From this run `prune --compensate` reads 256 blocks" in text) == (PRUNE_CALIBRATION_BLOCKS == 256)
+    assert f"`prune --compensate` reads {PRUNE_CALIBRATION_BLOCKS} blocks" in text

@@ -30,11 +30,13 @@ RANK_ALLOCATIONS = ("uniform", "auto")
 
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
 CALIBRATION_BLOCKS = 64
-#: prune --compensate's calibration: twice the others'. Five calibration samples of SmolLM2-135M at prune's
-#: defaults, out of domain (benchmarks/results/obs_blocks_128.json against the 64-block rows): the geometric
-#: means of news, legal and wiki all fell at 25% and 50% of the heads (at 50% legal 1.592x -> 1.548x, wiki
-#: 1.461x -> 1.410x; at 25% 0.004-0.007 each), for about twice the prune's time.
-PRUNE_CALIBRATION_BLOCKS = 128
+#: prune --compensate's calibration: four times the others'. Five calibration samples of SmolLM2-135M at prune's
+#: defaults, out of domain (benchmarks/results/obs_blocks_*.json, news / legal / wiki geometric means):
+#: 64 -> 128 -> 256 blocks, 25% of the heads 1.142x / 1.125x / 1.122x -> 1.138x / 1.121x / 1.115x -> 1.126x /
+#: 1.127x / 1.105x, 50% 1.485x / 1.592x / 1.461x -> 1.470x / 1.548x / 1.410x -> 1.441x / 1.528x / 1.383x, for
+#: a prune 1.6x-1.9x as long per doubling (256 x 128 is still 32k tokens; SparseGPT-style calibrations read
+#: 128 x 2048).
+PRUNE_CALIBRATION_BLOCKS = 256
 
 ANCHOR_HELP = ("how hard each refit is pulled toward the weights without a refit, relative to the mean diagonal "
                "of the Gram matrix: a number (0: the plain least-squares refit, inf: no refit; 1 held up best on "
