@@ -268,13 +268,13 @@ def obs_blocks_sections(docs: list[dict]) -> str:
 
 def obs_blocks_section(doc: dict, smaller_runs: list[dict] = ()) -> str:
     from bench_obs_allocation import blocks_rows, render_blocks
-    from headtool.workflows.requests import PRUNE_CALIBRATION_BLOCKS
+    from headtool.workflows.requests import CALIBRATION_BLOCKS, PRUNE_CALIBRATION_BLOCKS
 
     st = doc["settings"]
     smaller = blocks_rows(doc, RESULTS)
     sizes = " and ".join(map(str, smaller))
     default = (f"From this run `prune --compensate` reads {st['cal']} blocks unless `--max-samples` says otherwise "
-               "(64 without `--compensate`)." if st["cal"] == PRUNE_CALIBRATION_BLOCKS else
+               f"({CALIBRATION_BLOCKS} without `--compensate`)." if st["cal"] == PRUNE_CALIBRATION_BLOCKS else
                f"`prune --compensate` reads {PRUNE_CALIBRATION_BLOCKS} blocks by default (`--max-samples "
                f"{st['cal']}` gives this run's).")
     return "\n".join([
