@@ -138,6 +138,16 @@ def test_defaults_that_drifted_are_one_now():
     assert heal.eval_samples == 16 and heal.opts == dataclasses.replace(requests.HealOptions(), seed=0)
 
 
+def test_prune_help_states_the_calibration_sizes_the_request_reads():
+    """`headtool prune --help`'s description names both default calibrations (it said 128 after the
+    --compensate default became 256)."""
+    from headtool.cli.commands.prune import prune_cmd
+
+    words = " ".join(prune_cmd.__doc__.split())
+    assert (f"{requests.CALIBRATION_BLOCKS} blocks, {requests.PRUNE_CALIBRATION_BLOCKS} with --compensate"
+            in words)
+
+
 def test_the_cli_rejects_what_the_recipe_rejects(tmp_path):
     """One check, two front ends: the same bad value, the same words."""
     from typer.testing import CliRunner

@@ -15,7 +15,7 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
     """Remove attention heads (chosen from scores or listed) and write a smaller checkpoint.
 
     Without --scores or --heads the heads are scored now on --data (default auto: builtin:pydoc
-    mixed with text sampled from the model on a causal LM, builtin:pydoc otherwise; 64 blocks, 128
+    mixed with text sampled from the model on a causal LM, builtin:pydoc otherwise; 64 blocks, 256
     with --compensate), which --compensate also refits on.
 
     Examples:
