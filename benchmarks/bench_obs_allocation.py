@@ -10,12 +10,14 @@ for the same samples), and evaluated out of domain as bench_cross_domain.py. The
 beside what `auto` and `layer,geometric,none --allocation-margin 1` kept in benchmarks/results/
 allocation*.json (the same calibration, evaluation blocks and machine: their ratios reproduce to the
 digit), with geometric means over the samples. With `--cal N` other than 64 (prune's default with
-`--compensate` is 128 since 2026-12-06) the table sets each sample beside the 64-block run at the same
-`--anchor-power` and `--damping` (a larger calibration adds blocks to the same ones).
+`--compensate` is PRUNE_CALIBRATION_BLOCKS, 256 since 2026-12-06) the table sets each sample beside every
+smaller run at the same `--anchor-power` and `--damping` (a larger calibration adds blocks to the same ones).
 
     python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4,5,6,7,8,9 --fractions 0.25,0.5
     python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4 --fractions 0.25,0.5 --cal 128 \
         --anchor-power 3 --damping 0.001 --out benchmarks/results/obs_blocks_128.json
+    python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4 --fractions 0.25,0.5 --cal 256 \
+        --anchor-power 3 --damping 0.001 --out benchmarks/results/obs_blocks_256.json
 """
 from __future__ import annotations
 
@@ -165,12 +167,19 @@ def _runs(folder: Path, power: float, damping: float | None) -> list[tuple[int, 
     return runs
 
 
+def _by_size(runs: list[tuple[int, list[dict]]]) -> dict[int, dict]:
+    """`_runs`' rows by calibration size, then by (seed, fraction)."""
+    out: dict[int, dict] = {}
+    for blocks, rows in runs:
+        out.setdefault(blocks, {}).update({(r["seed"], r["fraction"]): r for r in rows})
+    return out
+
+
 def obs_rows(folder: Path = HERE / "results", power: float = 0.0, damping: float | None = None,
              cal: int = COMPARED_CAL) -> dict:
     """Rows of the obs runs pruned at --anchor-power `power` and `damping` on `cal` calibration blocks, by
     (seed, fraction)."""
-    return {(r["seed"], r["fraction"]): r for blocks, rows in _runs(folder, power, damping) if blocks == cal
-            for r in rows}
+    return _by_size(_runs(folder, power, damping)).get(cal, {})
 
 
 def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict[int, dict]:
@@ -178,9 +187,8 @@ def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict[int, dict]:
     smaller calibration run at the same power and damping (COMPARED_CAL, the CLI's before 2026-12-06, among
     them)."""
     st = doc["settings"]
-    sizes = {blocks for blocks, _ in _runs(folder, st["anchor_power"], st.get("damping")) if blocks < st["cal"]}
-    return {blocks: obs_rows(folder, st["anchor_power"], st.get("damping"), blocks)
-            for blocks in sorted(sizes, reverse=True)}
+    sizes = _by_size(_runs(folder, st["anchor_power"], st.get("damping")))
+    return {blocks: sizes[blocks] for blocks in sorted(sizes, reverse=True) if blocks < st["cal"]}
 
 
 def sample_line(first: dict, cells: list[str], row: dict, order: list[str]) -> str:

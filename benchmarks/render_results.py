@@ -13,6 +13,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -266,7 +267,7 @@ def obs_blocks_sections(docs: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
-def obs_blocks_section(doc: dict, smaller_runs: list[dict] = ()) -> str:
+def obs_blocks_section(doc: dict, smaller_runs: Sequence[dict] = ()) -> str:
     from bench_obs_allocation import blocks_rows, render_blocks
     from headtool.workflows.requests import CALIBRATION_BLOCKS, PRUNE_CALIBRATION_BLOCKS
 
