@@ -300,13 +300,14 @@ def calibration_mark(name: str, row: dict) -> str:
     return ", calibrated on it" if name in row.get("calibrated_on", [row.get("calibration")]) else ""
 
 
-def perplexities(model, evals: dict[str, list]) -> tuple[dict, float]:
-    """Loss and perplexity of `model` on every evaluation set, and the seconds it took."""
+def perplexities(model, evals: dict[str, list], per_block: bool = False) -> tuple[dict, float]:
+    """Loss and perplexity of `model` on every evaluation set, and the seconds it took; with `per_block`
+    also every block's summed loss and weight (`block_sums`, `block_weights`: for paired differences)."""
     t0 = time.perf_counter()
     out = {}
     for name, batches in evals.items():
-        e = evaluate(model, batches, "lm", label=f"eval {name}")
-        out[name] = {"loss": e["loss"], "perplexity": e["perplexity"]}
+        e = evaluate(model, batches, "lm", label=f"eval {name}", per_block=per_block)
+        out[name] = {k: e[k] for k in ("loss", "perplexity", "block_sums", "block_weights") if k in e}
     return out, time.perf_counter() - t0
 
 

@@ -12,12 +12,16 @@ allocation*.json (the same calibration, evaluation blocks and machine: their rat
 digit), with geometric means over the samples. With `--cal N` other than 64 (prune's default with
 `--compensate` is PRUNE_CALIBRATION_BLOCKS, 256 since 2026-12-06) the table sets each sample beside every
 smaller run at the same `--anchor-power` and `--damping` (a larger calibration adds blocks to the same ones).
+With `--eval N` other than 16 (blocks of 128 tokens a set) the same prunes are judged on more text, and the table
+sets each sample's ratios (± one standard error over the evaluation blocks) beside its 16-block ratios.
 
     python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4,5,6,7,8,9 --fractions 0.25,0.5
     python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4 --fractions 0.25,0.5 --cal 128 \
         --anchor-power 3 --damping 0.001 --out benchmarks/results/obs_blocks_128.json
     python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4 --fractions 0.25,0.5 --cal 256 \
         --anchor-power 3 --damping 0.001 --out benchmarks/results/obs_blocks_256.json
+    python benchmarks/bench_obs_allocation.py --seeds 0,1,2,3,4 --fractions 0.25,0.5 --cal 256 \
+        --anchor-power 3 --damping 0.001 --eval 128 --out benchmarks/results/obs_eval_256.json
 """
 from __future__ import annotations
 
@@ -80,7 +84,9 @@ def main() -> None:
             run.clock.log(f"seed {seed} {fraction:.0%} obs: judge {row['judge_loss']:.4f}, " + " / ".join(
                 f"{n} {r['ratio']:.3f}x" for n, r in row["eval"].items()))
             run.save(doc)
-    if a.cal != COMPARED_CAL:
+    if a.eval != COMPARED_EVAL:
+        print(render_eval(doc, fewer_eval_rows(doc)))
+    elif a.cal != COMPARED_CAL:
         print(render_blocks(doc, blocks_rows(doc)))
     else:
         print(render_power(doc, obs_rows(power=compared_power(doc))) if a.anchor_power else render(doc, baselines()))
@@ -153,16 +159,22 @@ def mean_line(fraction: float, name: str, got: list[dict], order: list[str], bea
 COMPARED_CAL = 64
 
 
-def _runs(folder: Path, power: float, damping: float | None) -> list[tuple[int, list[dict]]]:
+#: the evaluation blocks per set of the runs the calibration tables compare (sample_runs' --eval default)
+COMPARED_EVAL = 16
+
+
+def _runs(folder: Path, power: float, damping: float | None,
+          eval_blocks: int = COMPARED_EVAL) -> list[tuple[int, list[dict]]]:
     """(calibration blocks, rows) of every obs run in `folder` (obs_allocation*.json, obs_blocks_*.json) pruned
-    at --anchor-power `power` and `damping` (default the 0.01 the power tables compare with)."""
+    at --anchor-power `power` and `damping` (default the 0.01 the power tables compare with) and evaluated on
+    `eval_blocks` blocks a set (other evaluations give other ratios of the same prunes)."""
     damping = cross.EARLIER_REFIT["damping"] if damping is None else damping
     runs = []
     for pattern in ("obs_allocation*.json", "obs_blocks_*.json"):
         for path in sorted(folder.glob(pattern)):
             doc = json.loads(path.read_text())
             st = {**cross.EARLIER_REFIT, **doc["settings"]}
-            if st["anchor_power"] == power and st["damping"] == damping:
+            if st["anchor_power"] == power and st["damping"] == damping and st.get("eval", COMPARED_EVAL) == eval_blocks:
                 runs.append((st.get("cal", COMPARED_CAL), doc["rows"]))
     return runs
 
@@ -187,8 +199,41 @@ def blocks_rows(doc: dict, folder: Path = HERE / "results") -> dict[int, dict]:
     smaller calibration run at the same power and damping (COMPARED_CAL, the CLI's before 2026-12-06, among
     them)."""
     st = doc["settings"]
-    sizes = _by_size(_runs(folder, st["anchor_power"], st.get("damping")))
+    sizes = _by_size(_runs(folder, st["anchor_power"], st.get("damping"), st.get("eval", COMPARED_EVAL)))
     return {blocks: sizes[blocks] for blocks in sorted(sizes, reverse=True) if blocks < st["cal"]}
+
+
+def fewer_eval_rows(doc: dict, folder: Path = HERE / "results") -> dict:
+    """The rows of the same prunes (calibration size, power, damping) evaluated on COMPARED_EVAL blocks a set,
+    by (seed, fraction): what a run on more evaluation blocks is set beside."""
+    st = doc["settings"]
+    return _by_size(_runs(folder, st["anchor_power"], st.get("damping"))).get(st["cal"], {})
+
+
+def render_eval(doc: dict, fewer: dict) -> str:
+    """Per fraction and sample: the ratios on the run's evaluation blocks (± one standard error of the
+    log ratio over those blocks) beside the same prune's ratios on the first COMPARED_EVAL of them
+    (a larger evaluation adds blocks to the same ones), then geometric means of both. The prunes are
+    the same (same calibration and settings, deterministic); only the text they are judged on grows."""
+    order = doc["order"]
+    n_eval = doc["settings"]["eval"]
+    labels = [doc["domains"][n].get("label", n) for n in order]
+    lines = ["| removed | calibration sample | evaluation blocks a set | " + " | ".join(labels) + " |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in order) + " |"]
+    for fraction in doc["settings"]["fractions"]:
+        rows = [r for r in doc["rows"] if r["fraction"] == fraction and (r["seed"], fraction) in fewer]
+        for r in rows:
+            small = fewer[(r["seed"], fraction)]["eval"]
+            lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {n_eval} | " + " | ".join(
+                f"{r['eval'][n]['ratio']:.3f}x ± {r['eval'][n]['log_ratio_se'] * r['eval'][n]['ratio']:.3f}"
+                for n in order) + " |")
+            lines.append(f"| | | {COMPARED_EVAL} | " + " | ".join(f"{small[n]['ratio']:.3f}x" for n in order) + " |")
+        if len(rows) > 1:
+            for blocks, evals in ((n_eval, [r["eval"] for r in rows]),
+                                  (COMPARED_EVAL, [fewer[(r["seed"], fraction)]["eval"] for r in rows])):
+                lines.append(f"| {fraction:.0%} | geometric mean of {len(rows)} | {blocks} | " + " | ".join(
+                    f"**{geomean([e[n]['ratio'] for e in evals]):.3f}x**" for n in order) + " |")
+    return "\n".join(lines)
 
 
 def sample_line(first: dict, cells: list[str], row: dict, order: list[str]) -> str:

@@ -297,6 +297,31 @@ def obs_blocks_section(doc: dict, smaller_runs: Sequence[dict] = ()) -> str:
     ])
 
 
+def obs_eval_section(doc: dict) -> str:
+    from bench_obs_allocation import COMPARED_EVAL, fewer_eval_rows, render_eval
+
+    st = doc["settings"]
+    tokens = st["eval"] * 128
+    return "\n".join([
+        f"### The same prunes judged on more text ({st['eval']} evaluation blocks a set): SmolLM2-135M, samples "
+        f"{_seed_span(st['seeds'])}, {st['cal']} calibration blocks, no training",
+        "",
+        f"Every out-of-domain ratio above is measured on {COMPARED_EVAL} blocks of 128 tokens a set (2,048 tokens): "
+        "paired, the same blocks for every prune, so differences between prunes are measured more tightly than "
+        "each ratio itself. Here the prunes of the calibration-size table (prune's defaults: `--normalize obs "
+        f"--anchor-power {st['anchor_power']:g} --damping {st['damping']:g}`, {st['cal']} blocks of "
+        f"`{st['calibration']}`) are judged on {st['eval']} blocks a set ({tokens:,} tokens; the first "
+        f"{COMPARED_EVAL} of them are the blocks above, each set's own seeded order), each beside its "
+        f"{COMPARED_EVAL}-block ratio. ± is one standard error of the ratio over the evaluation blocks (the "
+        "paired difference of the two models' mean losses, blocks the sampling unit): how far another draw of "
+        "as many blocks of the same text could move it. The issue's levels are read from the larger evaluation.",
+        "",
+        render_eval(doc, fewer_eval_rows(doc, RESULTS)),
+        "",
+        f"`{doc['command']}`",
+    ])
+
+
 def kv_groups_section(doc: dict) -> str:
     from bench_cross_domain import earlier_refit_flags
     from bench_kv_groups import render
@@ -598,7 +623,7 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
             ("allocation*.json", allocation_section), ("obs_allocation*.json", obs_allocation_section),
-            ("obs_blocks_*.json", obs_blocks_sections, "all"),
+            ("obs_blocks_*.json", obs_blocks_sections, "all"), ("obs_eval_*.json", obs_eval_section),
             ("kv_groups*.json", kv_groups_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),

@@ -10,7 +10,7 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import bench_cross_domain as cross
 import torch
 from run_clock import RunClock
 
+from headtool.measure.evaluation import paired_difference
 from headtool.model.loading import LoadedModel, load_model
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +56,7 @@ class SampleRun:
     cal: int
     eval: int
     out: Path
+    base_blocks: dict = field(default_factory=dict)  # per evaluation set: the unpruned model's block sums
 
     def calibration(self, source: str, seed: int):
         """The calibration of one sample: `cal` blocks of `source` (bench_cross_domain's cut)."""
@@ -78,9 +80,16 @@ class SampleRun:
         return Sample(spec, scores, seconds, make_batches(judge_spec, self.lm.tokenizer, "lm", model=self.lm).batches)
 
     def ratios(self, model) -> dict:
-        """`model`'s perplexities on the evaluation sets, each with its ratio to the unpruned model's."""
-        ev, _ = cross.perplexities(model, self.evals)
-        return {n: {**ev[n], "ratio": ev[n]["perplexity"] / self.base[n]["perplexity"]} for n in ev}
+        """`model`'s perplexities on the evaluation sets, each with its ratio to the unpruned model's and
+        the standard error of its log (`log_ratio_se`: the paired difference of the two models' mean
+        losses over the same blocks, the blocks the sampling unit), which says how far the evaluation
+        blocks alone could move the ratio."""
+        ev, _ = cross.perplexities(model, self.evals, per_block=True)
+        out = {}
+        for n, e in ev.items():
+            diff, se = paired_difference(e.pop("block_sums"), self.base_blocks[n], e.pop("block_weights"))
+            out[n] = {**e, "ratio": e["perplexity"] / self.base[n]["perplexity"], "log_ratio_se": se}
+        return out
 
     def save(self, doc: dict) -> None:
         """Write the document as it stands (after every row: a run cut short keeps what it measured)."""
@@ -94,11 +103,14 @@ def start(a: argparse.Namespace) -> SampleRun:
     # held-out blocks of the refit are not read at the defaults; 16 reserved as bench_cross_domain does
     domains, evals = cross.evaluation_sets(lm.tokenizer, seq_len=128, batch_size=4, n_eval=a.eval, used=a.cal + 16,
                                            min_blocks=64, log=clock.log, in_domain=False)
-    base, _ = cross.perplexities(lm.model, evals)
+    base, _ = cross.perplexities(lm.model, evals, per_block=True)
+    base_blocks = {n: e.pop("block_sums") for n, e in base.items()}
+    for e in base.values():
+        del e["block_weights"]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return SampleRun(clock, lm, domains, evals, base, [int(s) for s in a.seeds.split(",") if s.strip()],
-                     [float(f) for f in a.fractions.split(",") if f.strip()], a.cal, a.eval, out)
+                     [float(f) for f in a.fractions.split(",") if f.strip()], a.cal, a.eval, out, base_blocks)
 
 
 def removed_per_layer(result) -> list[int]:

@@ -143,3 +143,36 @@ def test_the_anchor_power_table_sets_each_sample_beside_obs_without_it():
         table = render_power(damped, obs_rows(Path(d), 2.0))
         assert "| 50% (135) | 0 | 2 `--damping 0.001` | 3.0250 (+0.0000 ± 0.0000) | 1.500x |" in table
         assert "samples better than power 2: 0/2 news" in table
+
+
+def test_a_larger_evaluation_is_set_beside_the_same_prunes_on_the_default_blocks(tmp_path):
+    """bench_obs_allocation --eval 128: each sample's ratio (± its standard error, scaled from the log) beside
+    the same prune's ratio on 16 blocks (same calibration size, power and damping; a run at another size or
+    evaluation is not it), geometric means of both; and a calibration-size table never mixes evaluations."""
+    import json
+
+    from bench_obs_allocation import blocks_rows, fewer_eval_rows, render_eval
+
+    def doc(cal: int, news: list[float], eval_blocks: int = 16, se: float | None = None) -> dict:
+        rows = [{"seed": s, "fraction": 0.25, "heads_removed": 66, "removed_per_layer": [0, 3], "prune_seconds": 9.0,
+                 "eval": {"news": {"perplexity": 50.0, "ratio": n, **({} if se is None else {"log_ratio_se": se})}}}
+                for s, n in enumerate(news)]
+        return {"settings": {"seeds": list(range(len(news))), "fractions": [0.25], "cal": cal, "eval": eval_blocks,
+                             "anchor_power": 3.0, "damping": 0.001}, "order": ["news"],
+                "domains": {"news": {"label": "news"}}, "rows": rows}
+    (tmp_path / "obs_blocks_256.json").write_text(json.dumps(doc(256, [1.10, 1.20])))
+    (tmp_path / "obs_blocks_128.json").write_text(json.dumps(doc(128, [7.0, 7.0])))
+    (tmp_path / "obs_blocks_256_wide.json").write_text(json.dumps(doc(128, [8.0, 8.0], eval_blocks=128)))
+    big = doc(256, [1.12, 1.25], eval_blocks=128, se=0.01)
+    fewer = fewer_eval_rows(big, tmp_path)
+    assert sorted(fewer) == [(0, 0.25), (1, 0.25)] and fewer[(0, 0.25)]["eval"]["news"]["ratio"] == 1.10
+    table = render_eval(big, fewer)
+    assert "| 25% (66) | 0 | 128 | 1.120x ± 0.011 |\n| | | 16 | 1.100x |" in table
+    assert "| 25% (66) | 1 | 128 | 1.250x ± 0.013 |" in table
+    assert "| 25% | geometric mean of 2 | 128 | **1.183x** |" in table
+    assert "| 25% | geometric mean of 2 | 16 | **1.149x** |" in table
+    assert "7.000x" not in table and "8.000x" not in table
+    # the 128-block-evaluation run at 128 calibration blocks is not a smaller calibration of the 16-block runs
+    assert {k: v[(0, 0.25)]["eval"]["news"]["ratio"] for k, v in blocks_rows(doc(256, [1.1]), tmp_path).items()} \
+        == {128: 7.0}
+    assert {k: v[(0, 0.25)]["eval"]["news"]["ratio"] for k, v in blocks_rows(big, tmp_path).items()} == {128: 8.0}

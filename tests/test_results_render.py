@@ -290,3 +290,29 @@ def test_calibration_size_runs_render_as_one_table_per_refit_the_largest_with_th
     assert text.endswith("The 128-block rows: `python benchmarks/bench_obs_allocation.py --cal 128`")
     assert ("From this run `prune --compensate` reads 256 blocks" in text) == (PRUNE_CALIBRATION_BLOCKS == 256)
     assert f"`prune --compensate` reads {PRUNE_CALIBRATION_BLOCKS} blocks" in text
+
+
+def test_the_larger_evaluation_section_names_both_evaluations_and_sets_the_prunes_side_by_side(tmp_path, monkeypatch):
+    """obs_eval_*.json: one section whose table holds the run's ratios with their errors beside the
+    16-block run of the same prunes, with the run's command; its prose states both evaluations' sizes."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+
+    def doc(eval_blocks: int, ratio: float) -> dict:
+        ev = {"news": {"perplexity": 50.0, "ratio": ratio, "log_ratio_se": 0.02}}
+        rows = [{"seed": s, "fraction": 0.5, "heads_removed": 135, "removed_per_layer": [3], "prune_seconds": 9.0,
+                 "eval": ev} for s in (0, 1)]
+        return {"command": f"python benchmarks/bench_obs_allocation.py --eval {eval_blocks}", "order": ["news"],
+                "domains": {"news": {"label": "news"}}, "rows": rows,
+                "settings": {"seeds": [0, 1], "fractions": [0.5], "cal": 256, "eval": eval_blocks,
+                             "anchor_power": 3.0, "damping": 0.001, "calibration": "builtin:pydoc+self"}}
+    (tmp_path / "obs_blocks_256.json").write_text(json.dumps(doc(16, 1.4)))
+    monkeypatch.setattr(render_results, "RESULTS", tmp_path)
+    text = render_results.obs_eval_section(doc(128, 1.5))
+    assert text.startswith("### The same prunes judged on more text (128 evaluation blocks a set)")
+    assert "16 blocks of 128 tokens a set (2,048 tokens)" in text and "(16,384 tokens;" in text
+    assert "| 50% (135) | 0 | 128 | 1.500x ± 0.030 |\n| | | 16 | 1.400x |" in text
+    assert "| 50% | geometric mean of 2 | 16 | **1.400x** |" in text
+    assert text.endswith("`python benchmarks/bench_obs_allocation.py --eval 128`")
