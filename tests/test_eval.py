@@ -68,3 +68,34 @@ def test_eval_bad_objective_and_missing_data(tmp_path):
     assert res.exit_code == 2 and "masked-lm" in res.stderr
     res = runner.invoke(app, ["eval", str(a), "--data", str(tmp_path / "nope.txt")])
     assert res.exit_code == 2 and "not found" in res.stderr
+
+
+def test_eval_gives_each_gap_from_the_first_model_its_paired_standard_error(tmp_path, pydoc_text):
+    """The Δ of every model after the first carries one standard error over the evaluated blocks, paired with
+    the first model on the same blocks (what `paired_difference` gives on the models' per-block losses): zero
+    for a copy of the first model, positive for another model, shown in the table with a caption; absent
+    where one block cannot give it."""
+    from headtool.data.batches import make_batches
+    from headtool.data.sources import DataSpec
+    from headtool.measure.evaluation import evaluate, paired_difference
+    from headtool.model.loading import load_model
+
+    a = save_tiny("llama", tmp_path / "a", seed=0)
+    b = save_tiny("llama", tmp_path / "b", seed=1)
+    args = ["--data", str(pydoc_text), "--seq-len", "32", "--max-samples", "6", "--batch-size", "4"]
+    res = runner.invoke(app, ["eval", str(a), str(b), str(a), *args, "--json"])
+    assert res.exit_code == 0, res.output
+    first, other, copy = json.loads(res.stdout)["results"]
+    assert "loss_delta_se" not in first and copy["loss_delta_se"] == 0.0
+    la, lb = load_model(str(a)), load_model(str(b))
+    batches = make_batches(DataSpec(source=str(pydoc_text), seq_len=32, batch_size=4, max_samples=6), la.tokenizer,
+                           "lm").batches
+    ea, eb = (evaluate(m.model, batches, "lm", per_block=True) for m in (la, lb))
+    assert len(ea["block_sums"]) == 6
+    diff, se = paired_difference(eb["block_sums"], ea["block_sums"], ea["block_weights"])
+    assert abs(diff - (other["loss"] - first["loss"])) < 1e-5 and 0 < se == pytest.approx(other["loss_delta_se"])
+    shown = runner.invoke(app, ["eval", str(a), str(b), *args])
+    assert f"± {other['loss_delta_se']:.4f}" in shown.output and "one standard error over the 6 blocks" in shown.output
+    single = runner.invoke(app, ["eval", str(a), str(b), "--data", str(pydoc_text), "--seq-len", "32",
+                                 "--max-samples", "1", "--json"])
+    assert single.exit_code == 0 and "loss_delta_se" not in json.loads(single.stdout)["results"][1]

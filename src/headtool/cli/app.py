@@ -192,7 +192,9 @@ def eval_cmd(
 
     The blocks start after those any of the models was fitted on (headtool outputs record them in
     headtool.json under data_read), unless --skip-samples says where; a model fitted on the text's
-    domain is marked: in-domain figures flatter, so evaluate on text of the use as well.
+    domain is marked: in-domain figures flatter, so evaluate on text of the use as well. Each gap
+    from the first model carries one standard error over the blocks (paired: the same blocks for
+    both), loss_delta_se in --json: a few blocks give a loose figure.
 
     With --speed: prefill and decode tokens/s, KV-cache bytes and peak memory growth instead,
     measured interleaved on the same tokens (median, ratio to the first model).

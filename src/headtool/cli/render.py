@@ -76,15 +76,23 @@ def eval_table(result: dict[str, Any]) -> Table:
     for col in ("model", loss_name, "Δ", metric, "ratio", "params", "heads", "KV/token"):
         t.add_column(col, justify="left" if col == "model" else "right")
     base = res[0]
+    captions = []
+    if any("loss_delta_se" in r for r in res):
+        captions.append(f"Δ ± one standard error over the {d.get('samples')} blocks, paired with the first model: "
+                        "how far other blocks of the same text could move the gap")
     if any(r.get("in_domain") for r in res):
         fitted = "; ".join(_fitted(r) for r in res if r.get("in_domain"))
-        t.caption = f"* fitted on {d.get('source')}'s domain ({fitted}): in-domain figures flatter"
+        captions.append(f"* fitted on {d.get('source')}'s domain ({fitted}): in-domain figures flatter")
+    if captions:
+        t.caption = "\n".join(captions)
         t.caption_justify = "left"
     for r in res:
         dl = r["loss"] - base["loss"]
         ratio = (r[metric] / base[metric]) if base.get(metric) else float("nan")
+        se = f" ± {r['loss_delta_se']:.4f}" if "loss_delta_se" in r else ""
         t.add_row(
-            r["model"] + (" *" if r.get("in_domain") else ""), f"{r['loss']:.4f}", "" if r is base else f"{dl:+.4f}",
+            r["model"] + (" *" if r.get("in_domain") else ""), f"{r['loss']:.4f}",
+            "" if r is base else f"{dl:+.4f}{se}",
             f"{100 * r[metric]:.2f}%" if metric == "accuracy" else f"{r[metric]:.4f}",
             "" if r is base else f"{ratio:.3f}x", human_int(r["params"]),
             f"{r['total_heads']}/{'latent' if r.get('kv_rank') is not None else r['total_kv_heads']}",

@@ -15,6 +15,7 @@ from ..measure.evaluation import (
     evaluate,
     hidden_agreement,
     hidden_states,
+    paired_difference,
     tokenizers_agree,
 )
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -57,6 +58,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     batches = None
     first_tok = None
     reference: list[torch.Tensor] | None = None
+    first_blocks: list[float] | None = None  # the first model's summed loss per block
     resolved = objective
     records = {ref: folder_record(ref) for ref in refs}
     cut = None
@@ -80,7 +82,12 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
                 reference = hidden_states(lm.model, batches.batches)
             res = hidden_agreement(lm.model, batches.batches, reference, label=f"eval {ref}")
         else:
-            res = evaluate(lm.model, batches.batches, resolved, label=f"eval {ref}")
+            res = evaluate(lm.model, batches.batches, resolved, label=f"eval {ref}", per_block=True)
+            sums, weights = res.pop("block_sums"), res.pop("block_weights")
+            if first_blocks is None:
+                first_blocks = sums
+            elif len(sums) > 1:  # how far the evaluated blocks alone could move the gap from the first model
+                res["loss_delta_se"] = paired_difference(sums, first_blocks, weights)[1]
         figures = model_info(lm.model, lm.adapter)
         record = records[ref]
         results.append({"model": ref, "path": lm.path, **res, "params": figures["params"],
