@@ -192,4 +192,10 @@ def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_fold
     assert lines[0] == "calibrated on builtin:pydoc+self"
     assert lines[1].startswith("perplexity on builtin:licenses, a domain no step saw: ")
     assert lines[2].startswith("perplexity on builtin:pydoc, held-out blocks of the calibration's kind (flatters): ")
+    # each figure with its standard error over the 4 blocks (paired with the original on the same blocks)
+    licences = next(r for r in summary["steps"] if r["step"] == "eval" and r["data"] == "builtin:licenses")
+    ratio = licences["perplexity"] / licences["perplexity_before"]
+    assert licences["loss_delta_se"] > 0
+    assert lines[1].endswith(f"({ratio:.2f}x the original, ± {ratio * licences['loss_delta_se']:.2f} over these "
+                             "blocks)")
     assert "data" in res.stderr  # the summary table's column

@@ -127,9 +127,17 @@ def eval_loaded(lm: LoadedModel, req: EvalRequest, original: torch.nn.Module | N
     if lm.tokenizer is None:
         raise UsageError(f"{req.models[0] if req.models else 'the model'}: no tokenizer files beside the model")
     b = make_batches(req.data, lm.tokenizer, DATA_TASK[objective], model=text_model or lm)
-    before = evaluate(original, b.batches, objective, label="eval original") if original is not None else None
-    after = evaluate(lm.model, b.batches, objective, label="eval")
-    return {"objective": objective, "data": b.info, "before": before, "after": after}
+    paired = original is not None
+    before = evaluate(original, b.batches, objective, label="eval original", per_block=True) if paired else None
+    after = evaluate(lm.model, b.batches, objective, label="eval", per_block=paired)
+    out = {"objective": objective, "data": b.info, "before": before, "after": after}
+    if paired:  # the gap's standard error over the blocks, as `headtool eval` gives it
+        sums, first = after.pop("block_sums"), before.pop("block_sums")
+        weights = after.pop("block_weights")
+        del before["block_weights"]
+        if len(sums) > 1:
+            out["loss_delta_se"] = paired_difference(sums, first, weights)[1]
+    return out
 
 
 def run_speed(req: SpeedRequest) -> dict[str, Any]:

@@ -227,6 +227,8 @@ def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
         out["loss_before"] = before["loss"]
         if "perplexity" in before:
             out["perplexity_before"] = before["perplexity"]
+    if "loss_delta_se" in res:
+        out["loss_delta_se"] = res["loss_delta_se"]
     return out
 
 

@@ -77,8 +77,10 @@ def quality_lines(result: dict) -> list[str]:
              for r in result["steps"] if r["step"] == "eval" and r.get("perplexity_before")]
     for unseen, r in sorted(evals, key=lambda e: not e[0]):  # stable: the recipe's order within each kind
         kind = "a domain no step saw" if unseen else "held-out blocks of the calibration's kind (flatters)"
+        ratio = r["perplexity"] / r["perplexity_before"]
+        se = f", ± {ratio * r['loss_delta_se']:.2f} over these blocks" if "loss_delta_se" in r else ""
         lines.append(f"perplexity on {r['data']}, {kind}: {r['perplexity_before']:.2f} -> {r['perplexity']:.2f} "
-                     f"({r['perplexity'] / r['perplexity_before']:.2f}x the original)")
+                     f"({ratio:.2f}x the original{se})")
     return lines
 
 
