@@ -174,7 +174,8 @@ def _runs(folder: Path, power: float, damping: float | None,
         for path in sorted(folder.glob(pattern)):
             doc = json.loads(path.read_text())
             st = {**cross.EARLIER_REFIT, **doc["settings"]}
-            if st["anchor_power"] == power and st["damping"] == damping and st.get("eval", COMPARED_EVAL) == eval_blocks:
+            same_eval = st.get("eval", COMPARED_EVAL) == eval_blocks
+            if st["anchor_power"] == power and st["damping"] == damping and same_eval:
                 runs.append((st.get("cal", COMPARED_CAL), doc["rows"]))
     return runs
 
