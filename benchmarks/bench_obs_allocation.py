@@ -208,7 +208,7 @@ def fewer_eval_rows(doc: dict, folder: Path = HERE / "results") -> dict:
     """The rows of the same prunes (calibration size, power, damping) evaluated on COMPARED_EVAL blocks a set,
     by (seed, fraction): what a run on more evaluation blocks is set beside."""
     st = doc["settings"]
-    return _by_size(_runs(folder, st["anchor_power"], st.get("damping"))).get(st["cal"], {})
+    return obs_rows(folder, st["anchor_power"], st.get("damping"), st["cal"])
 
 
 def render_eval(doc: dict, fewer: dict) -> str:

@@ -254,12 +254,14 @@ def obs_allocation_section(doc: dict) -> str:
 
 
 def obs_blocks_sections(docs: list[dict]) -> str:
-    """One calibration-size table per refit setting: the largest run's, which sets every smaller run beside it
-    (the smaller obs_blocks runs add their commands)."""
+    """One calibration-size table per refit setting and evaluation (what `blocks_rows` compares): the largest
+    run's, which sets every smaller run beside it (the smaller obs_blocks runs add their commands)."""
+    from bench_obs_allocation import COMPARED_EVAL
+
     groups: dict[tuple, list[dict]] = {}
     for doc in docs:
         st = doc["settings"]
-        groups.setdefault((st["anchor_power"], st.get("damping")), []).append(doc)
+        groups.setdefault((st["anchor_power"], st.get("damping"), st.get("eval", COMPARED_EVAL)), []).append(doc)
     parts = []
     for runs in groups.values():
         runs.sort(key=lambda doc: doc["settings"]["cal"], reverse=True)

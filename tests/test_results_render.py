@@ -316,3 +316,28 @@ def test_the_larger_evaluation_section_names_both_evaluations_and_sets_the_prune
     assert "| 50% (135) | 0 | 128 | 1.500x ± 0.030 |\n| | | 16 | 1.400x |" in text
     assert "| 50% | geometric mean of 2 | 16 | **1.400x** |" in text
     assert text.endswith("`python benchmarks/bench_obs_allocation.py --eval 128`")
+
+
+def test_a_calibration_run_on_other_evaluation_blocks_gets_its_own_table(tmp_path, monkeypatch):
+    """obs_blocks runs group by refit and by evaluation, as blocks_rows compares them: a larger calibration judged
+    on 128 blocks a set does not take the place of the 16-block table's largest run."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import render_results
+
+    def doc(cal: int, eval_blocks: int) -> dict:
+        row = {"seed": 0, "fraction": 0.25, "heads_removed": 66, "removed_per_layer": [0, 3], "prune_seconds": 9.0,
+               "eval": {"news": {"perplexity": 50.0, "ratio": 1.0 + cal / 1000}}}
+        return {"command": f"python benchmarks/bench_obs_allocation.py --cal {cal} --eval {eval_blocks}",
+                "order": ["news"], "domains": {"news": {"label": "news"}}, "rows": [row],
+                "settings": {"seeds": [0], "fractions": [0.25], "cal": cal, "eval": eval_blocks, "anchor_power": 3.0,
+                             "damping": 0.001, "calibration": "builtin:pydoc+self"}}
+    docs = [doc(128, 16), doc(256, 16), doc(512, 128)]
+    for d in docs:
+        (tmp_path / f"obs_blocks_{d['settings']['cal']}.json").write_text(json.dumps(d))
+    monkeypatch.setattr(render_results, "RESULTS", tmp_path)
+    text = render_results.obs_blocks_sections(docs)
+    assert text.count("### More calibration text") == 2
+    assert "(`--max-samples 256`)" in text and "| 25% (66) | 0 | 128 | 1.128x |" in text
+    assert "The 128-block rows: `python benchmarks/bench_obs_allocation.py --cal 128 --eval 16`" in text
