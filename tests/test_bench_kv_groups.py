@@ -44,3 +44,38 @@ def test_the_table_has_a_row_per_sample_and_a_geometric_mean_per_variant():
     assert "| 25% | geometric mean | one per KV group (today) | **1.241x** |" in table
     assert "| 25% | geometric mean | any single head | **1.100x** |" in table
     assert "| 25% (66) | 1 | any single head | 1.210x | 0, 1, 2 |" in table
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_prune_of_the_expanded_model_is_a_prune_with_unit_head(family, tmp_path):
+    """The bench's 'any single head' rows prune the model expanded to one K/V head per query head;
+    `prune --unit head` on the grouped model (uneven groups, the KV heads kept) makes the same
+    choices and the same function, with the refit, so those rows measure it."""
+    from bench_kv_groups import expand_to_mha
+
+    from headtool.data.batches import make_batches
+    from headtool.data.sources import DataSpec
+    from headtool.model.loading import model_from_object
+    from headtool.workflows.prune import prune_loaded
+    from headtool.workflows.requests import PruneRequest
+    from tiny_models import tiny_causal_tokenizer
+
+    tok = tiny_causal_tokenizer()
+    gqa = model_from_object(tiny_model(family), tok, ref="tiny")
+    wide_model = copy.deepcopy(gqa.model)
+    expand_to_mha(wide_model, gqa.adapter)
+    wide = model_from_object(wide_model, tok, ref="tiny")
+    spec = DataSpec(source="builtin:pydoc", seq_len=32, batch_size=2, max_samples=6)
+    ids = make_batches(spec, tok, "lm").batches[0]["input_ids"]
+    for n in (1, 3):  # one head leaves groups of 1 and 2; three go where the refit says
+        done = {}
+        for name, lm, unit in (("gqa", gqa, "head"), ("wide", wide, "query")):
+            req = PruneRequest(model="tiny", num_heads=n, unit=unit, compensate=True, data=spec,
+                               protect_layers="none", heldout_samples=0)
+            pruned = model_from_object(copy.deepcopy(lm.model), tok, ref="tiny")
+            done[name] = (prune_loaded(pruned, req).result, pruned.model)
+        assert done["gqa"][0].selection.kept == done["wide"][0].selection.kept
+        assert any(g.uneven for g in done["gqa"][0].geometry_after) == (n == 1)
+        with torch.no_grad():
+            a, b = done["gqa"][1](ids).logits, done["wide"][1](ids).logits
+        assert torch.allclose(a, b, atol=1e-4), (n, (a - b).abs().max())

@@ -421,22 +421,27 @@ def test_cli_learned_positions_default_to_no_rotary_key_and_reload(family, tmp_p
     assert _generate(reloaded, ids[:1, :5], 4).tolist() == _generate(ours.model, ids[:1, :5], 4).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_pruned_model_with_a_head_table_converts_exactly_and_reloads(family, tmp_path):
-    """prune -> convert-mla: the pruned folder has different query heads per layer (its head table);
-    every latent layer gets its own heads, at full rank the pruned model's logits come back, and
-    the folder reloads with trust_remote_code and with headtool's loader alike."""
+@pytest.mark.parametrize("family, unit, heads, counts", [
+    ("llama", "query", "0:0,2;2:1,3", [2, 4, 2]), ("qwen3", "query", "0:0,2;2:1,3", [2, 4, 2]),
+    # --unit head: KV groups of 1 and 2 query heads in layers 0 and 2; the latent serves each query head
+    ("llama", "head", "0:0;2:3", [3, 4, 3]), ("qwen3", "head", "0:1;2:2", [3, 4, 3])])
+def test_a_pruned_model_with_a_head_table_converts_exactly_and_reloads(family, unit, heads, counts, tmp_path):
+    """prune -> convert-mla: the pruned folder has different query heads per layer (its head table),
+    and with --unit head KV groups of different sizes; every latent layer gets its own heads, at full
+    rank the pruned model's logits come back, and the folder reloads with trust_remote_code and with
+    headtool's loader alike."""
     from transformers import AutoModelForCausalLM
 
     from headtool.model.loading import load_model
 
     src = save_tiny(family, tmp_path / "src")
     pruned = tmp_path / "pruned"
-    r = runner.invoke(app, ["prune", str(src), "--heads", "0:0,2;2:1,3", "-o", str(pruned)])
+    r = runner.invoke(app, ["prune", str(src), "--heads", heads, "--unit", unit, "-o", str(pruned)])
     assert r.exit_code == 0, r.stderr
     lm = load_model(str(pruned), dtype="float32", device="cpu")
     geometry = lm.adapter.geometry(lm.config)
-    assert [g.num_heads for g in geometry] == [2, 4, 2]
+    assert [g.num_heads for g in geometry] == counts
+    assert any(g.uneven for g in geometry) == (unit == "head")
     ids = sample_ids(family, seed=3)
     ref = logits_of(lm.model, ids)
     g = geometry[0]
@@ -444,7 +449,7 @@ def test_a_pruned_model_with_a_head_table_converts_exactly_and_reloads(family, t
     rope = g.num_kv_heads * rot
     conv = L.convert_model_latent(lm.model, lm.adapter, L.latent_dims(g, rot, rope), rope_dim=rope,
                                   grams=_grams(lm.model, family))
-    assert conv.spec["num_heads"] == [2, 4, 2]
+    assert conv.spec["num_heads"] == counts
     for absorb in (False, True):
         _absorb(conv.model, absorb)
         assert (logits_of(conv.model, ids) - ref).abs().max().item() <= 1e-4, absorb
@@ -454,11 +459,11 @@ def test_a_pruned_model_with_a_head_table_converts_exactly_and_reloads(family, t
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     ours = load_model(str(out), dtype="float32", device="cpu")
     assert [m.num_heads for m in reloaded.modules() if isinstance(m, torch.nn.Module)
-            and type(m).__name__ == "LatentAttention"] == [2, 4, 2]
+            and type(m).__name__ == "LatentAttention"] == counts
     assert (logits_of(reloaded, ids) - logits_of(ours.model, ids)).abs().max().item() <= 1e-5
     assert _generate(reloaded, ids[:1, :5], 4).tolist() == _generate(ours.model, ids[:1, :5], 4).tolist()
     r = runner.invoke(app, ["info", str(out), "--json"])
-    assert r.exit_code == 0 and json.loads(r.stdout)["num_heads"] == [2, 4, 2]
+    assert r.exit_code == 0 and json.loads(r.stdout)["num_heads"] == counts
 
 
 def test_cli_existing_output_refused(tmp_path):

@@ -18,9 +18,11 @@ from headtool.measure.gates import head_gates
 from headtool.model.loading import load_model
 from headtool.surgery.pruning import markdown_table, prune
 from headtool.surgery.selection import Selection
-from tiny_models import ALL, FAMILIES, logits_of, sample_ids, save_tiny
+from tiny_models import ALL, FAMILIES, GQA, logits_of, sample_ids, save_tiny
 
 runner = CliRunner()
+# families whose tiny model has several KV heads a layer: --unit head can leave them uneven groups
+UNEVEN = [f for f in GQA if FAMILIES[f][0].get("num_key_value_heads", 1) > 1]
 
 
 def _cases(family: str, geo) -> dict[str, list[list[int]]]:
@@ -32,7 +34,10 @@ def _cases(family: str, geo) -> dict[str, list[list[int]]]:
         return {"nonuniform": [[1, 3], [0, 1, 2, 3], [2]], "uniform": [[0, 1], [2, 3], [0, 3]]}
     return {"nonuniform": [[1, 3], [0, 1, 2, 3], [0, 2]],  # one query head per group left in layers 0, 2
             "uniform": [[0, 2], [1, 3], [1, 2]],
-            "group": [[2, 3], [0, 1, 2, 3], [0, 1]]}  # whole groups (with their KV head) removed
+            "group": [[2, 3], [0, 1, 2, 3], [0, 1]],  # whole groups (with their KV head) removed
+            # --unit head: groups of 1 and 2 query heads in layers 0 and 2 (both KV heads kept), one
+            # KV head left in layer 1
+            "uneven": [[1, 2, 3], [3], [0, 2, 3]]}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def outputs(tmp_path_factory):
         for case, kept in _cases(family, load_model(str(src), dtype="float32", device="cpu").geometry).items():
             lm = load_model(str(src), dtype="float32", device="cpu")
             geo = lm.geometry
-            sel = Selection.from_kept(geo, kept)
+            sel = Selection.from_kept(geo, kept, uneven=case == "uneven")
             with head_gates(lm.model, lm.adapter, init=sel.mask(geo)):
                 ref = logits_of(lm.model, ids)
             result = prune(lm, sel)
@@ -92,6 +97,7 @@ def test_standard_configs_where_the_family_allows_them(outputs):
     for fam in ("bert", "gpt2", "gpt_neox", "opt", "phi3"):  # head_dim derived from the width
         assert kinds[(fam, "uniform")] == "headtool-remote-code", fam
     assert all(kinds[(f, "nonuniform")] == "headtool-remote-code" for f in ALL)
+    assert all(kinds[(f, "uneven")] == "headtool-remote-code" for f in UNEVEN)
 
 
 def test_generation_with_new_kv_head_counts(outputs):
@@ -103,6 +109,40 @@ def test_generation_with_new_kv_head_counts(outputs):
         assert out.shape == (2, 11)
         diff = (logits_of(lm.model, o["ids"]) - o["ref"]).abs().max().item()
         assert diff <= 1e-4, impl
+
+
+@pytest.mark.parametrize("family", UNEVEN)
+def test_uneven_kv_groups_keep_every_kv_head_with_a_reader_and_generate_as_the_gated_original(outputs, family):
+    """--unit head: a layer keeps both KV heads for groups of 1 and 2 query heads; the cache holds
+    the KV heads themselves, and cached greedy generation (eager and sdpa) equals the original's
+    with the removed heads gated off."""
+    o = outputs[(family, "uneven")]
+    assert o["kind"] == "headtool-remote-code"
+    assert [(g.num_heads, g.num_kv_heads, g.group_sizes) for g in o["geo"]] == [(3, 2, (1, 2)), (1, 1, None),
+                                                                                 (3, 2, (1, 2))]
+    layout = json.loads((o["folder"] / "config.json").read_text())[LAYOUT_KEY]
+    assert layout["group_sizes"] == [[1, 2], None, [1, 2]]
+    src = load_model(str(o["folder"].parent / f"src_{family}"), dtype="float32", device="cpu")
+    sel = Selection.from_kept(src.geometry, _cases(family, src.geometry)["uneven"], uneven=True)
+    lm = load_model(str(o["folder"]), dtype="float32", device="cpu")
+    prompt = o["ids"][:, :6]
+    for impl in ("eager", "sdpa"):
+        try:
+            src.model.set_attn_implementation(impl)
+        except ValueError:  # Gemma 2: eager only
+            continue
+        lm.model.set_attn_implementation(impl)
+        with head_gates(src.model, src.adapter, init=sel.mask(src.geometry)):
+            want = src.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                      do_sample=False, output_logits=True, return_dict_in_generate=True)
+        got = lm.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                                output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(want.sequences, got.sequences), impl
+        diff = max((a - b).abs().max().item() for a, b in zip(want.logits, got.logits))
+        assert diff <= 1e-4, (impl, diff)
+        # the cache keeps the layer's KV heads, not a copy per query head
+        cache = lm.model(prompt, use_cache=True).past_key_values
+        assert [cache.layers[i].keys.shape[1] for i in range(3)] == [2, 1, 2], impl
 
 
 def test_remote_code_folders_load_where_headtool_is_not_installed(outputs, tmp_path):

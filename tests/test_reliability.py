@@ -610,8 +610,10 @@ def test_modeling_file_reads_nothing_outside_its_folder() -> None:
         found = [w for w in FORBIDDEN if w in code]
         assert not found, f"{which} modeling file contains {found}"
         imports = {m.group(1).split(".")[0] for m in re.finditer(r"^\s*(?:from|import)\s+([\w.]+)", code, re.M)}
+        # sys: only sys.modules, the family's modeling module that built the model (sys.path is forbidden above)
         assert imports <= {"__future__", "torch", "transformers", "typing", "math", "dataclasses",
-                           "collections", "functools", "copy", "itertools"}, imports
+                           "collections", "functools", "copy", "itertools", "sys"}, imports
+        assert not re.search(r"sys\.(?!modules\b)", code), f"{which} modeling file uses sys beyond sys.modules"
 
 
 def test_written_modeling_file_matches_template(base: Path, tmp_path: Path) -> None:

@@ -52,6 +52,36 @@ def test_unit_group_removes_whole_groups_with_their_kv_head():
     assert sel.geometry(GQA)[0] == LayerHeads(3, 1, 8)
 
 
+def test_unit_head_removes_single_heads_and_keeps_every_kv_head_with_a_reader():
+    scores = [[0.1, 0.5, 0.9, 0.2, 0.6, 0.3], [1, 1, 1, 1, 1, 1]]
+    assert removal_steps(scores[0], GQA[0], "head") == [[0], [3], [5], [1], [4]]
+    sel = select_heads(scores, GQA, Target(num_heads=3, unit="head"))
+    assert sel.removed(GQA) == [[0, 3, 5], []]
+    assert sel.keeps[0].kv == (0, 1) and sel.keeps[0].group_sizes == (2, 1)
+    assert sel.geometry(GQA)[0] == LayerHeads(3, 2, 8, (2, 1))
+    # the last reader of a KV head takes it along: groups of 3 and 0 are one group of 3
+    sel = selection_from_removed({0: [3, 4, 5]}, GQA, uneven=True)
+    assert sel.geometry(GQA)[0] == LayerHeads(3, 1, 8) and sel.keeps[0].group_sizes is None
+    with pytest.raises(UsageError, match="unequal sizes"):
+        selection_from_removed({0: [0]}, GQA)  # without --unit head the groups must stay equal
+
+
+def test_uneven_geometry_maps_query_heads_to_their_kv_heads():
+    g = LayerHeads(5, 2, 8, (3, 2))
+    assert g.uneven and g.sizes() == (3, 2) and g.kv_index() == [0, 0, 0, 1, 1]
+    assert [g.kv_head_of(h) for h in range(5)] == [0, 0, 0, 1, 1] and g.query_heads_of(1) == [3, 4]
+    assert LayerHeads(4, 2, 8, (2, 2)) == LayerHeads(4, 2, 8)  # equal groups: the ordinary layout
+    with pytest.raises(ValueError, match="differ in size"):
+        g.group_size
+    with pytest.raises(ValueError, match="do not split"):
+        LayerHeads(5, 2, 8, (3, 3))
+    # a second prune of such a layer removes single heads only
+    with pytest.raises(UsageError, match="--unit head"):
+        select_heads([[1.0] * 5], [g], Target(num_heads=1))
+    sel = select_heads([[0.5, 0.1, 0.9, 0.8, 0.7]], [g], Target(num_heads=1, unit="head"))
+    assert sel.geometry([g])[0] == LayerHeads(4, 2, 8)  # (2, 2): equal again
+
+
 def test_protected_layers_lose_no_heads_and_the_others_make_up_the_number():
     # unprotected, the weakest 3 heads are layer 0's head 1 and layer 1's heads 0 and 3
     sel = select_heads(SC_MHA, MHA, Target(fraction=0.25, protect=(0,)))
@@ -91,7 +121,7 @@ def test_protect_layers_text_and_its_errors():
     (Target(), "exactly one target"),
     (Target(fraction=0.2, num_heads=2), "exactly one target"),
     (Target(threshold=0.5, scope="layer"), "does not combine"),
-    (Target(fraction=0.2, unit="head"), "--unit"),
+    (Target(fraction=0.2, unit="kv"), "--unit"),
 ])
 def test_bad_targets_are_usage_errors(target, msg):
     with pytest.raises(UsageError, match=msg):
@@ -149,3 +179,6 @@ def test_choose_removal_minimizes_cost_under_the_unit_rules():
     big = LayerHeads(64, 4, 8)
     out = choose_removal(big, 32, "query", lambda s: float(sum(s)))
     assert [sum(1 for h in out if big.kv_head_of(h) == k) for k in range(4)] == [8, 8, 8, 8]
+    assert choose_removal(GQA[0], 2, "head", cost) == [1, 4]
+    assert choose_removal(GQA[0], 3, "head", cost) == [1, 4, 5]  # two from one group: --unit head allows it
+    assert len(candidate_sets(GQA[0], 3, "head")) == 20

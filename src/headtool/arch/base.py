@@ -25,24 +25,62 @@ RESIZE_QUANTITIES = ("num_heads", "num_kv_heads", "head_dim", "group_size", "q_w
 
 @dataclass(frozen=True)
 class LayerHeads:
-    """Head geometry of one attention layer."""
+    """Head geometry of one attention layer.
+
+    Query heads read KV heads in contiguous groups: KV head k serves the next `sizes()[k]` query
+    heads. The groups are equal (`group_sizes` None) unless a prune removed single query heads
+    from a grouped-query layer (`prune --unit head`), which keeps every KV head that still has a
+    reader and leaves the groups `group_sizes` (query heads per KV head, in order).
+    """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    group_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.group_sizes
+        if sizes is None:
+            return
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != self.num_kv_heads or sum(sizes) != self.num_heads or min(sizes) < 1:
+            raise ValueError(f"KV group sizes {list(sizes)} do not split {self.num_heads} query heads over "
+                             f"{self.num_kv_heads} KV heads")
+        # equal groups are the ordinary layout: one representation, so geometries compare equal
+        object.__setattr__(self, "group_sizes", None if len(set(sizes)) == 1 else sizes)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the KV groups differ in size (only `prune --unit head` makes such layers)."""
+        return self.group_sizes is not None
 
     @property
     def group_size(self) -> int:
-        """Query heads per KV head."""
+        """Query heads per KV head (ValueError on a layer whose groups differ: see `sizes`)."""
+        if self.group_sizes is not None:
+            raise ValueError(f"the KV groups of this layer differ in size ({list(self.group_sizes)})")
         return self.num_heads // self.num_kv_heads
 
+    def sizes(self) -> tuple[int, ...]:
+        """Query heads per KV head, in KV-head order."""
+        if self.group_sizes is not None:
+            return self.group_sizes
+        return (self.num_heads // self.num_kv_heads,) * self.num_kv_heads
+
+    def kv_index(self) -> list[int]:
+        """The KV head each query head reads, in query-head order."""
+        return [k for k, n in enumerate(self.sizes()) for _ in range(n)]
+
     def kv_head_of(self, q_head: int) -> int:
-        """The KV head that query head `q_head` reads (standard contiguous grouping)."""
-        return q_head // self.group_size
+        """The KV head that query head `q_head` reads (contiguous grouping)."""
+        if self.group_sizes is None:
+            return q_head // (self.num_heads // self.num_kv_heads)
+        return self.kv_index()[q_head]
 
     def query_heads_of(self, kv_head: int) -> list[int]:
-        g = self.group_size
-        return list(range(kv_head * g, (kv_head + 1) * g))
+        sizes = self.sizes()
+        start = sum(sizes[:kv_head])
+        return list(range(start, start + sizes[kv_head]))
 
     def count(self, kind: str) -> int:
         return self.num_heads if kind in ("q", "o") else self.num_kv_heads
@@ -150,9 +188,10 @@ class Adapter:
         layout = getattr(config, LAYOUT_KEY, None)
         if layout:
             hd = int(layout["head_dim"])
+            sizes = layout.get("group_sizes") or [None] * len(layout["num_heads"])
             return [
-                LayerHeads(int(q), int(kv), hd)
-                for q, kv in zip(layout["num_heads"], layout["num_kv_heads"])
+                LayerHeads(int(q), int(kv), hd, None if gs is None else tuple(int(x) for x in gs))
+                for q, kv, gs in zip(layout["num_heads"], layout["num_kv_heads"], sizes)
             ]
         nq = int(getattr(config, self.heads_key))
         nkv = nq
@@ -267,7 +306,7 @@ class Adapter:
         first = geometry[0]
         if any(g != first for g in geometry):
             return False
-        if first.num_heads % first.num_kv_heads:
+        if first.uneven or first.num_heads % first.num_kv_heads:
             return False
         if not self.support.kv_heads and first.num_kv_heads != first.num_heads:
             return False

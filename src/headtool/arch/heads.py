@@ -17,23 +17,26 @@ from .base import Adapter, HeadTensor, LayerHeads
 
 @dataclass(frozen=True)
 class LayerKeep:
-    """Which query heads and KV heads of one layer survive (original indices, ascending)."""
+    """Which query heads and KV heads of one layer survive (original indices, ascending), and how
+    many kept query heads each kept KV head serves (None: the groups stay equal)."""
 
     q: tuple[int, ...]
     kv: tuple[int, ...]
+    group_sizes: tuple[int, ...] | None = None
 
     def of(self, kind: str) -> tuple[int, ...]:
         return self.q if kind in ("q", "o") else self.kv
 
     def geometry(self, old: LayerHeads) -> LayerHeads:
-        return LayerHeads(len(self.q), len(self.kv), old.head_dim)
+        return LayerHeads(len(self.q), len(self.kv), old.head_dim, self.group_sizes)
 
 
-def keep_for_query_heads(geo: LayerHeads, kept_q: Sequence[int]) -> LayerKeep:
-    """KV heads that still serve a kept query head survive; the groups must stay equal in size.
+def keep_for_query_heads(geo: LayerHeads, kept_q: Sequence[int], uneven: bool = False) -> LayerKeep:
+    """KV heads that still serve a kept query head survive.
 
-    Raises UsageError when the kept query heads would leave groups of different sizes (a
-    layer's attention can only express one group size).
+    The groups must stay equal in size unless `uneven` (prune --unit head: the layer keeps every
+    KV head with a reader, each serving what is left of its group); UsageError otherwise when
+    the kept query heads would leave groups of different sizes.
     """
     kept_q = tuple(sorted(set(int(h) for h in kept_q)))
     if not kept_q:
@@ -43,10 +46,12 @@ def keep_for_query_heads(geo: LayerHeads, kept_q: Sequence[int]) -> LayerKeep:
     per_group: dict[int, int] = {}
     for h in kept_q:
         per_group[geo.kv_head_of(h)] = per_group.get(geo.kv_head_of(h), 0) + 1
-    if len(set(per_group.values())) > 1:
+    sizes = tuple(per_group[k] for k in sorted(per_group))
+    if len(set(sizes)) > 1 and not uneven:
         raise UsageError(f"kept query heads {list(kept_q)} leave KV groups of unequal sizes "
-                         f"{sorted(per_group.items())}; every group of a layer must keep the same number")
-    return LayerKeep(kept_q, tuple(sorted(per_group)))
+                         f"{sorted(per_group.items())}; every group of a layer must keep the same number "
+                         "(or prune with --unit head)")
+    return LayerKeep(kept_q, tuple(sorted(per_group)), sizes if len(set(sizes)) > 1 else None)
 
 
 def _move_axis_front(t: torch.Tensor, axis: int) -> torch.Tensor:

@@ -56,6 +56,10 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
         ("KV cache per token", f"{human_bytes(f['kv_cache_bytes_per_token'])} "
                                f"({f['kv_cache_bytes_per_token']:,} B)"),
     ]
+    if f.get("kv_group_sizes"):  # prune --unit head
+        uneven = f["kv_group_sizes"]
+        rows.insert(4, ("KV groups", "query heads per KV head differ in "
+                        + ", ".join(f"layer {i} ({'+'.join(map(str, s))})" for i, s in uneven.items())))
     if "kv_rank" in f:  # convert-mla output: the cache holds a latent, not the source's KV heads
         rows[3] = ("latent attention", f"kv_rank {_fmt_list(f['kv_rank'], every=True)} + shared rotary key "
                                        f"{f['rope_dim']} dims per token and layer (replaces "

@@ -242,11 +242,12 @@ def _twins(sim: torch.Tensor) -> tuple[list[int | None], list[float | None]]:
 
 def _group_matrix(sim: torch.Tensor, geo: LayerHeads) -> tuple[list[float | None], list[list[float]]]:
     """(within-group mean pairwise similarity per KV head, KV x KV mean between-group similarity)."""
-    g, nkv = geo.group_size, geo.num_kv_heads
+    nkv = geo.num_kv_heads
     within: list[float | None] = []
     between = [[0.0] * nkv for _ in range(nkv)]
     for a in range(nkv):
         qa = geo.query_heads_of(a)
+        g = len(qa)
         if g > 1:
             block = sim[qa][:, qa]
             within.append(float((block.sum() - block.diagonal().sum()) / (g * (g - 1))))
@@ -270,7 +271,7 @@ def _finish(accs: list[_LayerAcc], causal: bool, top: int) -> dict[str, Any]:
     stats: dict[str, list] = {k: [] for k in HEAD_STATS}
     sim_att, sim_cos, sim_out, twins_att, twins_out = [], [], [], [], []
     pairs = []
-    grouped = any(a.geo.group_size > 1 for a in accs)
+    grouped = any(a.geo.num_heads > a.geo.num_kv_heads for a in accs)
     groups: dict[str, list] = {"within_attention_similarity": [], "within_output_similarity": [],
                                "between_attention_similarity": [], "between_output_similarity": []}
     for layer, a in enumerate(accs):
@@ -318,8 +319,9 @@ def _finish(accs: list[_LayerAcc], causal: bool, top: int) -> dict[str, Any]:
         "twins": {"attention": twins_att, "output": twins_out},
         "similarity": {"attention": _round(sim_att), "attention_cosine": _round(sim_cos),
                        "output": _round(sim_out)},
-        "kv_groups": ({"group_size": [a.geo.group_size for a in accs], **{k: _round(v) for k, v in groups.items()}}
-                      if grouped else None),
+        # a layer's group size, or its groups' sizes where they differ (prune --unit head)
+        "kv_groups": ({"group_size": [list(a.geo.sizes()) if a.geo.uneven else a.geo.group_size for a in accs],
+                       **{k: _round(v) for k, v in groups.items()}} if grouped else None),
         "top_pairs": [{**p, "attention_similarity": round(p["attention_similarity"], 6),
                        "output_similarity": round(p["output_similarity"], 6)} for p in pairs[:top]],
         "query_positions": int(sum(a.n_query for a in accs[:1])),

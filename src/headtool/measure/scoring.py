@@ -148,8 +148,9 @@ def magnitude_scores(model: nn.Module, adapter: Adapter, geometry: Sequence[Laye
                 sq = extract_heads(sd[key], ht, geo, kind).detach().double().pow(2).flatten(1).sum(1).cpu()
                 if kind in ("q", "o"):
                     total += sq
-                else:
-                    total += sq.repeat_interleave(geo.group_size) / geo.group_size
+                else:  # a KV head's weight shared among the query heads that read it
+                    sizes = torch.tensor(geo.sizes())
+                    total += (sq / sizes).repeat_interleave(sizes)
         out.append(total.sqrt().tolist())
     return out
 

@@ -79,9 +79,25 @@ def read_layout(raw: Mapping, where: str) -> dict:
         hd = int(layout["head_dim"])
     except (TypeError, KeyError, ValueError) as e:
         raise UsageError(f"{where}: {LAYOUT_KEY} must hold num_heads, num_kv_heads (lists) and head_dim") from e
-    if len(nq) != len(nkv) or any(k < 1 or q < k or q % k for q, k in zip(nq, nkv)) or hd < 1:
-        raise UsageError(f"{where}: {LAYOUT_KEY} is inconsistent (query heads {nq}, KV heads {nkv})")
-    return {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd}
+    sizes = layout.get("group_sizes")
+    try:
+        sizes = [None] * len(nq) if sizes is None else [None if g is None else [int(x) for x in g] for g in sizes]
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{where}: {LAYOUT_KEY}: group_sizes must be a list of per-layer lists (or null)") from e
+
+    def consistent(q: int, k: int, g: list[int] | None) -> bool:
+        if g is None:
+            return k >= 1 and q >= k and not q % k
+        return len(g) == k and sum(g) == q and min(g) >= 1
+
+    if len(nq) != len(nkv) or len(sizes) != len(nq) or hd < 1 or \
+            not all(consistent(q, k, g) for q, k, g in zip(nq, nkv, sizes)):
+        raise UsageError(f"{where}: {LAYOUT_KEY} is inconsistent (query heads {nq}, KV heads {nkv}"
+                         + (f", KV group sizes {sizes})" if any(sizes) else ")"))
+    out = {"num_heads": nq, "num_kv_heads": nkv, "head_dim": hd}
+    if any(g is not None for g in sizes):
+        out["group_sizes"] = sizes
+    return out
 
 
 def config_from_headtool_folder(path: str | Path, raw_config: Mapping):

@@ -76,6 +76,9 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
         "kv_cache_bytes_per_token": sum(per_layer),
         "kv_cache_bytes_per_token_per_layer": per_layer,
         "grouped_query": any(g.num_kv_heads != g.num_heads for g in geometry),
+        # prune --unit head: layers whose KV heads serve different numbers of query heads
+        **({"kv_group_sizes": {i: list(g.group_sizes) for i, g in enumerate(geometry) if g.uneven}}
+           if any(g.uneven for g in geometry) else {}),
         **({"kv_rank": _uniform_or_list([int(r) for r in spec["kv_rank"]]), "rope_dim": int(spec["rope_dim"])}
            if spec else {}),
     }

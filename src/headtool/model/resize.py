@@ -28,9 +28,11 @@ def _set_geometry(config, adapter: Adapter, geometry: list[LayerHeads]) -> None:
     hd = {g.head_dim for g in geometry}
     if len(hd) != 1:
         raise UsageError(f"layers with different head_dim {sorted(hd)} are not supported")
-    setattr(config, LAYOUT_KEY, {"num_heads": [g.num_heads for g in geometry],
-                                 "num_kv_heads": [g.num_kv_heads for g in geometry],
-                                 "head_dim": geometry[0].head_dim})
+    layout = {"num_heads": [g.num_heads for g in geometry], "num_kv_heads": [g.num_kv_heads for g in geometry],
+              "head_dim": geometry[0].head_dim}
+    if any(g.uneven for g in geometry):  # prune --unit head: the KV groups of some layers differ in size
+        layout["group_sizes"] = [list(g.group_sizes) if g.uneven else None for g in geometry]
+    setattr(config, LAYOUT_KEY, layout)
     setattr(config, RESIZE_SPEC_KEY, adapter.resize_spec())
 
 
@@ -58,7 +60,7 @@ def resize_attention(model: nn.Module, adapter: Adapter, layer: int, new_geo: La
     spec = adapter.resize_spec()
     try:
         _tpl.resize_layer(model, spec, layer, new_geo.num_heads, new_geo.num_kv_heads, new_geo.head_dim,
-                          tensors=rel)
+                          tensors=rel, group_sizes=new_geo.group_sizes)
     except ValueError as e:
         raise UsageError(str(e)) from e
     geometry[layer] = new_geo
@@ -67,9 +69,10 @@ def resize_attention(model: nn.Module, adapter: Adapter, layer: int, new_geo: La
         # before the shared config's keys may change below
         for i, g in enumerate(geometry):
             attn = adapter.attention_module(model, i)
-            if not isinstance(attn.config, _tpl.LayerConfig):
+            if not _tpl.is_layer_view(attn.config):
                 shared = attn.config
-                attn.config = _tpl.LayerConfig(shared, {k: _tpl.quantity(q, g.num_heads, g.num_kv_heads, g.head_dim)
+                attn.config = _tpl.LayerConfig(shared, {k: _tpl.quantity(q, g.num_heads, g.num_kv_heads, g.head_dim,
+                                                                          g.group_sizes)
                                                         for k, q in spec["config_keys"]})
     _set_geometry(model.config, adapter, geometry)
 

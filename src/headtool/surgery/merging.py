@@ -73,6 +73,16 @@ def _one_thread(fn: _F) -> _F:
 
 
 # --------------------------------------------------------------------------- targets
+
+def refuse_uneven(geometry: Sequence[LayerHeads]) -> None:
+    """UsageError when a layer's KV groups differ in size (an earlier `prune --unit head`): merging
+    regroups query heads in contiguous equal groups, which such a layer does not have."""
+    uneven = [i for i, g in enumerate(geometry) if g.uneven]
+    if uneven:
+        raise UsageError(f"convert-gqa: layer {uneven[0]} has KV groups of different sizes (pruned with --unit head); "
+                         "merge before pruning, or prune with --unit query")
+
+
 def valid_kv_targets(geometry: Sequence[LayerHeads]) -> list[int]:
     """KV-head counts every layer can be merged to: divisors of the query heads below the KV heads."""
     lo = min(g.num_kv_heads for g in geometry)
@@ -81,6 +91,7 @@ def valid_kv_targets(geometry: Sequence[LayerHeads]) -> list[int]:
 
 def check_target(adapter: Adapter, geometry: Sequence[LayerHeads], n: int) -> None:
     """UsageError (exit 2) when `n` KV heads cannot be expressed; lists the valid values."""
+    refuse_uneven(geometry)
     if not adapter.support.kv_heads:
         raise UsageError(f"convert-gqa: the {adapter.family} family has no KV-head setting in its config "
                          f"(every query head has its own K/V and the stock model cannot share them); "

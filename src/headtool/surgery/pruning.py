@@ -69,10 +69,12 @@ class PruneResult:
     def layers(self) -> list[dict[str, Any]]:
         rows = []
         for i, (g0, g1, kept) in enumerate(zip(self.geometry_before, self.geometry_after, self.selection.kept)):
-            rows.append({"layer": i, "heads_before": g0.num_heads, "heads_after": g1.num_heads,
-                         "kv_heads_before": g0.num_kv_heads, "kv_heads_after": g1.num_kv_heads,
-                         "kept_heads": list(kept),
-                         "removed_heads": sorted(set(range(g0.num_heads)) - set(kept))})
+            row = {"layer": i, "heads_before": g0.num_heads, "heads_after": g1.num_heads,
+                   "kv_heads_before": g0.num_kv_heads, "kv_heads_after": g1.num_kv_heads,
+                   "kept_heads": list(kept), "removed_heads": sorted(set(range(g0.num_heads)) - set(kept))}
+            if g1.uneven:  # --unit head: query heads per kept KV head
+                row["kv_group_sizes_after"] = list(g1.group_sizes)
+            rows.append(row)
         return rows
 
     def totals(self) -> dict[str, Any]:
@@ -108,9 +110,11 @@ class PruneResult:
         return f"{chosen}: held-out loss {mine['heldout_loss']:.4f} {vs}"
 
 
-def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int]) -> LayerHeads:
-    """Remove every query head of `layer` not in `kept` (and KV heads left without queries)."""
-    keep = keep_for_query_heads(geo, kept)
+def prune_layer(model, adapter: Adapter, layer: int, geo: LayerHeads, kept: Sequence[int],
+                uneven: bool = False) -> LayerHeads:
+    """Remove every query head of `layer` not in `kept` (and KV heads left without queries);
+    `uneven`: the KV groups may end up different in size (--unit head)."""
+    keep = keep_for_query_heads(geo, kept, uneven)
     if keep.q == tuple(range(geo.num_heads)) and keep.kv == tuple(range(geo.num_kv_heads)):
         return geo
     prefix = adapter.layer_prefix(model, layer)
@@ -139,7 +143,7 @@ def trial_copy(model: nn.Module, adapter: Adapter) -> nn.Module:
 def apply_selection(model, adapter: Adapter, selection: Selection, geometry: Sequence[LayerHeads]) -> None:
     """Physically remove the heads `selection` does not keep, every layer, in place."""
     for i, (geo, kept) in enumerate(zip(geometry, selection.kept)):
-        prune_layer(model, adapter, i, geo, kept)
+        prune_layer(model, adapter, i, geo, kept, uneven=True)  # the selection was checked when made
 
 
 def _evaluate(model, batches, objective):
@@ -226,7 +230,7 @@ def prune(
                 gone = choose_removal(geo, n_remove, unit, cost)
                 kept = [h for h in range(geo.num_heads) if h not in set(gone)]
             kept_final[layer] = tuple(kept)
-            prune_layer(model, adapter, layer, geo, kept)
+            prune_layer(model, adapter, layer, geo, kept, uneven=unit == "head")
             return o_columns(adapter, geo, kept)
 
         layers = [i for i, g in enumerate(geometry) if refit_layers == "all" or len(selection.kept[i]) < g.num_heads]
@@ -236,8 +240,8 @@ def prune(
         done = set(layers)
         for i, g in enumerate(geometry):  # layers that were not refit are still pruned
             if i not in done:
-                prune_layer(model, adapter, i, g, selection.kept[i])
-        selection = Selection.from_kept(geometry, kept_final)
+                prune_layer(model, adapter, i, g, selection.kept[i], uneven=True)
+        selection = Selection.from_kept(geometry, kept_final, uneven=unit == "head")
     else:
         apply_selection(model, adapter, selection, geometry)
     info_after = model_info(model, adapter)
@@ -246,12 +250,18 @@ def prune(
                        eval_before, eval_after, report, choice, time.perf_counter() - t0)
 
 
+def kv_heads_cell(row: dict[str, Any]) -> str:
+    """'2 → 2' for a layer row, with the KV groups' sizes where they differ: '2 → 2 (1+2)'."""
+    sizes = row.get("kv_group_sizes_after")
+    return f"{row['kv_heads_before']} → {row['kv_heads_after']}" + (f" ({'+'.join(map(str, sizes))})" if sizes else "")
+
+
 def markdown_table(result: PruneResult, config_kind: str) -> str:
     """The summary as markdown (the model card's table)."""
     lines = ["| layer | query heads | KV heads | removed (original indices) |", "|---:|---:|---:|---|"]
     for r in result.layers():
         lines.append(f"| {r['layer']} | {r['heads_before']} → {r['heads_after']} | "
-                     f"{r['kv_heads_before']} → {r['kv_heads_after']} | "
+                     f"{kv_heads_cell(r)} | "
                      f"{', '.join(map(str, r['removed_heads'])) or '-'} |")
     lines += ["", "| total | before | after |", "|---|---:|---:|"]
     names = {"params": "parameters", "attention_params": "attention parameters",

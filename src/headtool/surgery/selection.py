@@ -22,7 +22,7 @@ from ..arch.heads import LayerKeep, keep_for_query_heads
 from ..errors import UsageError
 
 SCOPES = ("global", "layer")
-UNITS = ("query", "group")
+UNITS = ("query", "group", "head")
 # exhaustive search over removal sets inside a layer up to this many candidates, else greedy
 EXHAUSTIVE_LIMIT = 4096
 
@@ -57,11 +57,14 @@ class Selection:
     keeps: tuple[LayerKeep, ...]
 
     @classmethod
-    def from_kept(cls, geometry: Sequence[LayerHeads], kept: Sequence[Sequence[int]]) -> "Selection":
+    def from_kept(cls, geometry: Sequence[LayerHeads], kept: Sequence[Sequence[int]],
+                  uneven: bool = False) -> "Selection":
+        """The selection keeping `kept` query heads per layer; `uneven` lets a layer's KV groups
+        end up different in size (--unit head), else they must stay equal."""
         keeps = []
         for i, (g, k) in enumerate(zip(geometry, kept)):
             try:
-                keeps.append(keep_for_query_heads(g, k))
+                keeps.append(keep_for_query_heads(g, k, uneven))
             except UsageError as e:
                 raise UsageError(f"layer {i}: {e}") from None
         return cls(tuple(ks.q for ks in keeps), tuple(keeps))
@@ -107,6 +110,7 @@ def check_target(target: Target, geometry: Sequence[LayerHeads]) -> None:
         raise UsageError("--threshold removes heads by value; it does not combine with --scope layer "
                          "(use --fraction or --num-heads)")
     check_min_heads(target.min_heads_per_layer, geometry)
+    check_unit(target.unit, geometry)
     bad = [i for i in target.protect if not -len(geometry) <= i < len(geometry)]
     if bad:
         raise UsageError(f"--protect-layers: layer {bad[0]} does not exist (the model has layers "
@@ -143,6 +147,15 @@ def parse_protect(text: str | None, scope: str = "global", num_layers: int | Non
     return tuple(out)
 
 
+def check_unit(unit: str, geometry: Sequence[LayerHeads]) -> None:
+    """--unit query and group step through equal KV groups: a layer whose groups already differ
+    (an earlier --unit head prune) can only lose single heads."""
+    uneven = [i for i, g in enumerate(geometry) if g.uneven]
+    if uneven and unit != "head":
+        raise UsageError(f"layer {uneven[0]} has KV groups of different sizes (pruned with --unit head); "
+                         f"prune it again with --unit head, not --unit {unit}")
+
+
 def check_min_heads(min_heads: int, geometry: Sequence[LayerHeads]) -> None:
     if min_heads < 1:
         raise UsageError(f"--min-heads-per-layer must be at least 1 (got {min_heads})")
@@ -171,12 +184,14 @@ def check_scores(scores: Sequence[Sequence[float]], geometry: Sequence[LayerHead
 def removal_steps(scores: Sequence[float], geo: LayerHeads, unit: str) -> list[list[int]]:
     """The order in which a layer loses heads, weakest first; each step a list of query heads.
 
-    A layer is never emptied: the steps stop one unit short of removing every head.
+    A layer is never emptied: the steps stop one unit short of removing every head. With
+    `unit` head any single head is a step (the KV groups may end up different in size).
     """
-    g = geo.group_size
-    if g == 1:  # every KV head serves one query head: heads go one by one (with their KV head)
+    if unit == "head" or geo.num_heads == geo.num_kv_heads:
+        # one by one (a KV head goes with the last query head that reads it)
         order = sorted(range(geo.num_heads), key=lambda h: (scores[h], h))
         return [[h] for h in order[:-1]]
+    g = geo.group_size
     groups = [geo.query_heads_of(k) for k in range(geo.num_kv_heads)]
     if unit == "group":
         order = sorted(range(geo.num_kv_heads),
@@ -277,7 +292,8 @@ def selection_from_steps(geometry: Sequence[LayerHeads], steps: Sequence[Sequenc
     for g, st, n in zip(geometry, steps, taken):
         gone = {h for step in st[:n] for h in step}
         kept.append([h for h in range(g.num_heads) if h not in gone])
-    return Selection.from_kept(geometry, kept)
+    # the steps obey their unit: groups differ only where single heads (--unit head) were steps
+    return Selection.from_kept(geometry, kept, uneven=True)
 
 
 # ----------------------------------------------------------------------------- explicit lists
@@ -333,8 +349,9 @@ def head_pairs(heads: dict[int, Sequence[int]]) -> list[tuple[int, int]]:
 
 
 def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence[LayerHeads],
-                           min_heads: int = 1) -> Selection:
-    """A Selection that removes exactly the listed heads (checked against the GQA rules)."""
+                           min_heads: int = 1, uneven: bool = False) -> Selection:
+    """A Selection that removes exactly the listed heads (checked against the GQA rules: equal KV
+    groups unless `uneven`, --unit head)."""
     check_min_heads(min_heads, geometry)
     kept = []
     for i, g in enumerate(geometry):
@@ -344,7 +361,7 @@ def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence
             raise UsageError(f"layer {i} would keep {len(k)} query heads, fewer than --min-heads-per-layer "
                              f"{min_heads}")
         kept.append(k)
-    return Selection.from_kept(geometry, kept)
+    return Selection.from_kept(geometry, kept, uneven)
 
 
 # ----------------------------------------------------------------------------- inside one layer
@@ -352,10 +369,10 @@ def candidate_sets(geo: LayerHeads, n_remove: int, unit: str) -> list[list[int]]
     """Every removal set of `n_remove` query heads obeying `unit`, or None when too many."""
     if n_remove == 0:
         return [[]]
-    g = geo.group_size
-    if g == 1 or (unit == "query" and geo.num_kv_heads == 1):
+    if unit == "head" or geo.num_heads == geo.num_kv_heads or (unit == "query" and geo.num_kv_heads == 1):
         pools, per = [list(range(geo.num_heads))], [n_remove]
     elif unit == "group":
+        g = geo.group_size
         if n_remove % g:
             raise ValueError(f"{n_remove} is not a whole number of groups of {g}")
         n_groups = n_remove // g
@@ -385,13 +402,12 @@ def choose_removal(geo: LayerHeads, n_remove: int, unit: str,
     sets = candidate_sets(geo, n_remove, unit)
     if sets is not None:
         return min(sets, key=lambda s: (cost(s), s))
-    g = geo.group_size
-    if g == 1 or (unit == "query" and geo.num_kv_heads == 1):
+    if unit == "head" or geo.num_heads == geo.num_kv_heads or (unit == "query" and geo.num_kv_heads == 1):
         units = [[h] for h in range(geo.num_heads)]
         rounds = [units] * n_remove
     elif unit == "group":
         units = [geo.query_heads_of(k) for k in range(geo.num_kv_heads)]
-        rounds = [units] * (n_remove // g)
+        rounds = [units] * (n_remove // geo.group_size)
     else:  # one head from each group per round, group by group
         rounds = [[[h] for h in geo.query_heads_of(k)] for _ in range(n_remove // geo.num_kv_heads)
                   for k in range(geo.num_kv_heads)]

@@ -28,7 +28,7 @@ from ..model.refs import resolve_ref
 from ..model.resize import resize_attention
 from .merging import check_target, contiguous_groups, mean_layer_tensors
 from .selection import check_target as check_selection_target
-from .selection import Target, parse_heads, select_heads, selection_from_removed
+from .selection import Target, check_unit, parse_heads, select_heads, selection_from_removed
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -189,10 +189,12 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
 
 
 def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]], out: str | Path, *,
-                 meta: dict, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
-    """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming."""
+                 meta: dict, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB",
+                 uneven: bool = False) -> dict:
+    """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming;
+    `uneven`: KV groups may end up different in size (--unit head)."""
     geometry = ck.geometry
-    keeps = [keep_for_query_heads(g, k) for g, k in zip(geometry, kept)]
+    keeps = [keep_for_query_heads(g, k, uneven) for g, k in zip(geometry, kept)]
     new_geometry = [k.geometry(g) for k, g in zip(keeps, geometry)]
 
     def layer_fn(i: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -222,7 +224,7 @@ def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: 
 
 def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None,
                                target_for: Callable[[int], Target] | None, min_heads: int, overwrite: bool,
-                               shard_size: str | int, trust_remote_code: bool = False) -> dict:
+                               shard_size: str | int, trust_remote_code: bool = False, unit: str = "query") -> dict:
     """`prune --streaming`: heads from a score document or a list, removed shard by shard.
     `target_for(num_layers)` builds the target once the checkpoint's layer count is known (it
     resolves `--protect-layers auto`); None with explicit `heads`."""
@@ -231,7 +233,8 @@ def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads:
     geometry = ck.geometry
     target = None
     if heads is not None:
-        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads)
+        check_unit(unit, geometry)
+        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads, unit == "head")
         score_info = None
     else:
         target = target_for(len(geometry))
@@ -244,5 +247,6 @@ def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads:
             "scores": score_info, "streaming": True,
             "options": {"target": target.describe() if target else None, "heads": heads},
             "kept_heads": kept}
-    written = stream_prune(ck, kept, out, meta=meta, overwrite=overwrite, shard_size=shard_size)
+    uneven = (target.unit if target else unit) == "head"
+    written = stream_prune(ck, kept, out, meta=meta, overwrite=overwrite, shard_size=shard_size, uneven=uneven)
     return {**written, "kept_heads": kept}

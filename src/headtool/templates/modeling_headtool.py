@@ -1,7 +1,8 @@
 # Written by headtool into a pruned / merged checkpoint.
 #
 # The attention layers of this model have head counts that the family's stock config cannot
-# express (a different count per layer, or a family whose head_dim is derived from the width).
+# express (a different count per layer, KV groups of different sizes in a layer, or a family
+# whose head_dim is derived from the width).
 # This file builds the original family's model and resizes each layer's attention to the table
 # in config.json ("headtool_head_layout"), following the recipe in "headtool_resize_spec".
 # It needs only torch and transformers; load with
@@ -9,24 +10,32 @@
 # headtool itself uses the same functions (headtool.model.resize) for models in memory.
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 LAYOUT_KEY = "headtool_head_layout"
 RESIZE_SPEC_KEY = "headtool_resize_spec"
+# the attention function of layers whose KV groups differ in size (registered below)
+UNEVEN_ATTENTION = "headtool_uneven_groups"
 
 
 def _get(obj, key, default=None):
     return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
 
 
-def quantity(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """A head-derived number that an attention module stores (see Adapter.resize_attrs)."""
+def quantity(name: str, num_heads: int, num_kv_heads: int, head_dim: int, group_sizes=None) -> int:
+    """A head-derived number that an attention module stores (see Adapter.resize_attrs).
+
+    With KV groups of different sizes (`group_sizes`) the keys and values reach the attention
+    function already gathered per query head (`uneven_attention`), so the group size is 1.
+    """
     values = {
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "group_size": num_heads // num_kv_heads,
+        "group_size": 1 if group_sizes else num_heads // num_kv_heads,
         "q_width": num_heads * head_dim,
         "kv_width": num_kv_heads * head_dim,
     }
@@ -60,7 +69,9 @@ class LayerConfig:
         return getattr(object.__getattribute__(self, "_base"), name)
 
     def __setattr__(self, name, value):
-        if name in self._overrides:
+        if name.startswith("_attn_implementation"):  # the model's choice; a layer may only route it
+            setattr(self._base, name, value)
+        elif name in self._overrides:
             self._overrides[name] = value
         else:
             setattr(self._base, name, value)
@@ -69,6 +80,18 @@ class LayerConfig:
         d = self._base.to_dict()
         d.update(self._overrides)
         return d
+
+
+def is_layer_view(config) -> bool:
+    """Whether `config` is a LayerConfig, this file's or a copy's (a folder's remote code has its own class)."""
+    return config is not None and "_overrides" in getattr(config, "__dict__", {})
+
+
+def shared_config(config):
+    """The model's config behind a layer's view (the config itself when it is no view)."""
+    while is_layer_view(config):
+        config = object.__getattribute__(config, "_base")
+    return config
 
 
 def _base_model(model):
@@ -85,14 +108,22 @@ def _fix_sizes(module: nn.Module, conv1d: bool) -> None:
 
 
 def resize_layer(model: nn.Module, spec: dict, layer: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, tensors: dict | None = None) -> None:
+                 head_dim: int, tensors: dict | None = None, group_sizes=None) -> None:
     """Resize the attention of `layer` to (num_heads, num_kv_heads, head_dim), in place.
 
     With `tensors` (names relative to the layer, e.g. "self_attn.q_proj.weight") the new
     parameters take those values; without, they are allocated empty on the same device and
-    dtype (from_pretrained then fills them from the checkpoint).
+    dtype (from_pretrained then fills them from the checkpoint). `group_sizes` (query heads per
+    KV head, in order) gives KV groups of different sizes; None: equal groups.
     """
-    if num_kv_heads < 1 or num_heads < num_kv_heads or num_heads % num_kv_heads:
+    if group_sizes is not None:
+        group_sizes = [int(g) for g in group_sizes]
+        if len(group_sizes) != num_kv_heads or sum(group_sizes) != num_heads or min(group_sizes) < 1:
+            raise ValueError(f"layer {layer}: KV group sizes {group_sizes} do not split {num_heads} query heads "
+                             f"over {num_kv_heads} KV heads")
+        if len(set(group_sizes)) == 1:
+            group_sizes = None
+    if group_sizes is None and (num_kv_heads < 1 or num_heads < num_kv_heads or num_heads % num_kv_heads):
         raise ValueError(f"layer {layer}: {num_heads} query heads cannot share {num_kv_heads} KV heads")
     layer_mod = _base_model(model).get_submodule(f"{spec['layers_path']}.{layer}")
     for entry in spec["tensors"]:
@@ -121,12 +152,54 @@ def resize_layer(model: nn.Module, spec: dict, layer: int, num_heads: int, num_k
     for path, qty in spec.get("attrs", []):
         owner, _, attr = path.rpartition(".")
         obj = layer_mod.get_submodule(owner) if owner else layer_mod
-        setattr(obj, attr, quantity(qty, num_heads, num_kv_heads, head_dim))
-    if spec.get("config_keys"):
-        attn = layer_mod.get_submodule(spec["attention"])
-        shared = attn.config._base if isinstance(attn.config, LayerConfig) else attn.config
-        attn.config = LayerConfig(shared, {key: quantity(qty, num_heads, num_kv_heads, head_dim)
-                                           for key, qty in spec["config_keys"]})
+        setattr(obj, attr, quantity(qty, num_heads, num_kv_heads, head_dim, group_sizes))
+    attn = layer_mod.get_submodule(spec["attention"])
+    current = getattr(attn, "config", None)
+    shared = shared_config(current)
+    overrides = {key: quantity(qty, num_heads, num_kv_heads, head_dim, group_sizes)
+                 for key, qty in spec.get("config_keys", [])}
+    if group_sizes is not None:
+        if current is None:
+            raise ValueError(f"layer {layer}: this attention module has no config to route uneven KV groups through")
+        # the layer's attention goes through uneven_attention, which gathers each query head's
+        # K/V head from the cache and calls the model's chosen attention function
+        overrides["_attn_implementation"] = UNEVEN_ATTENTION
+        attn.headtool_group_sizes = tuple(group_sizes)
+    elif hasattr(attn, "headtool_group_sizes"):
+        del attn.headtool_group_sizes
+    if overrides:
+        attn.config = LayerConfig(shared, overrides)
+    elif is_layer_view(current):
+        attn.config = shared
+
+
+def uneven_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention of a layer whose KV groups differ in size: K/V [batch, kv_heads, seq, dim] are
+    gathered to one head per query head (what repeat_kv does for equal groups), then the model's
+    attention function (eager: the family's own) runs with a group size of 1. The cache keeps
+    the KV heads themselves."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sizes = module.headtool_group_sizes
+    index = torch.repeat_interleave(torch.arange(len(sizes), device=key.device),
+                                    torch.tensor(sizes, device=key.device), output_size=sum(sizes))
+    key = key.index_select(1, index)
+    value = value.index_select(1, index)
+    # the model's choice (the shared config behind the layer's view): the mask was made for it
+    chosen = shared_config(module.config)._attn_implementation
+    # the family's own eager function, from its modeling module (already imported: it built `module`)
+    family_eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    fn = family_eager if chosen in (None, "eager", UNEVEN_ATTENTION) else ALL_ATTENTION_FUNCTIONS[chosen]
+    return fn(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_uneven_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(UNEVEN_ATTENTION, uneven_attention)
+
+
+_register_uneven_attention()
 
 
 def apply_layout(model: nn.Module, config) -> None:
@@ -136,8 +209,9 @@ def apply_layout(model: nn.Module, config) -> None:
     if not layout or not spec:
         return
     hd = int(layout["head_dim"])
-    for i, (nq, nkv) in enumerate(zip(layout["num_heads"], layout["num_kv_heads"])):
-        resize_layer(model, spec, i, int(nq), int(nkv), hd)
+    sizes = _get(layout, "group_sizes") or [None] * len(layout["num_heads"])
+    for i, (nq, nkv, gs) in enumerate(zip(layout["num_heads"], layout["num_kv_heads"], sizes)):
+        resize_layer(model, spec, i, int(nq), int(nkv), hd, group_sizes=gs)
 
 
 def headtool_class(base_cls):

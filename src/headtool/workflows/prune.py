@@ -26,6 +26,7 @@ from ..surgery.selection import (
     Selection,
     Target,
     check_target,
+    check_unit,
     parse_heads,
     parse_protect,
     select_heads,
@@ -81,7 +82,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
         written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
                                              target_for=target_for, min_heads=req.min_heads_per_layer,
                                              overwrite=req.overwrite, shard_size=req.shard_size,
-                                             trust_remote_code=req.load.trust_remote_code)
+                                             trust_remote_code=req.load.trust_remote_code, unit=req.unit)
         return PruneRun(streamed=written)
     load, calib_device = sequential_placement(req.load, req.sequential)
     lm = load_model(req.model, rewrites=None if req.dry_run else "prune", **load.kwargs())
@@ -156,7 +157,9 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         spec = None  # the default data, and nothing in this prune reads it
     target = None
     if req.heads is not None:
-        selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer)
+        check_unit(req.unit, geometry)
+        selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer,
+                                           req.unit == "head")
     else:
         target = prune_target(req, len(geometry))
         check_target(target, geometry)

@@ -198,7 +198,9 @@ class PruneRequest:
                         choices=("global", "layer"), panel=_T)
     min_heads_per_layer: int = option(1, "query heads every layer keeps at least", min=1, panel=_T)
     unit: str = option("query", "GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV "
-                       "groups)", choices=("query", "group"), panel=_T)
+                       "groups) | head (any single query head: the KV groups may end up different in size, "
+                       "which only headtool's remote code expresses)", choices=("query", "group", "head"),
+                       panel=_T)
     protect_layers: str = option("auto", "layers that lose no heads when heads are chosen from scores: "
                                  "layer indices, comma-separated (negative from the end), none, or auto: the first "
                                  "layer with --scope global (removing its heads cost far more than their "

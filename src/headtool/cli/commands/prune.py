@@ -47,7 +47,7 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
     from rich.table import Table
 
     from ...io.provenance import IN_DOMAIN_NOTE
-
+    from ...surgery.pruning import kv_heads_cell
     from ..render import human_bytes, human_int
 
     t = Table(title=f"headtool prune: {ref}" + (" (dry run)" if dry_run else ""), title_justify="left")
@@ -59,7 +59,7 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
     for r in result.layers():
         changed = r["heads_after"] != r["heads_before"]
         row = [str(r["layer"]), f"{r['heads_before']} → {r['heads_after']}",
-               f"{r['kv_heads_before']} → {r['kv_heads_after']}",
+               kv_heads_cell(r),
                ",".join(map(str, r["removed_heads"])) or ("- (protected)" if r["layer"] in protected else "-")]
         if comp:
             c = comp.get(r["layer"])

@@ -1,0 +1,121 @@
+"""prune --unit head on grouped-query models: single query heads go, every KV head with a reader stays,
+the groups differ in size; the written model equals the gated original (in memory, streamed, refit), and
+what cannot take such layers (convert-gqa, a second prune by KV groups) says so in one line. convert-mla
+takes them: tests/test_convert_mla.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from headtool.arch import LAYOUT_KEY
+from headtool.cli.app import app
+from headtool.measure.gates import head_gates
+from headtool.model.loading import load_model
+from headtool.surgery.selection import Selection
+from tiny_models import logits_of, sample_ids, save_tiny
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("uneven") / "src")  # 3 layers, 4 query heads, 2 KV heads
+
+
+def _gated_logits(src_folder, kept, ids):
+    lm = load_model(str(src_folder), dtype="float32", device="cpu")
+    sel = Selection.from_kept(lm.geometry, kept, uneven=True)
+    with head_gates(lm.model, lm.adapter, init=sel.mask(lm.geometry)):
+        return logits_of(lm.model, ids)
+
+
+def _written(folder):
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    return lm, json.loads((folder / "headtool.json").read_text())
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["in-memory", "streaming"])
+def test_listed_heads_leave_uneven_groups_and_equal_the_gated_original(src, tmp_path, streaming):
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["prune", str(src), "--heads", "0:0;2:3", "--unit", "head", "-o", str(out), "--json"]
+                      + (["--streaming"] if streaming else []))
+    assert r.exit_code == 0, r.output
+    lm, meta = _written(out)
+    assert [(g.num_heads, g.num_kv_heads, g.group_sizes) for g in lm.geometry] == [(3, 2, (1, 2)), (4, 2, None),
+                                                                                   (3, 2, (2, 1))]
+    assert json.loads((out / "config.json").read_text())[LAYOUT_KEY]["group_sizes"] == [[1, 2], None, [2, 1]]
+    ids = sample_ids("llama")
+    diff = (logits_of(lm.model, ids) - _gated_logits(src, meta["kept_heads"], ids)).abs().max().item()
+    assert diff <= 1e-4
+    # without --unit head the same list is refused: the groups would differ
+    r = runner.invoke(app, ["prune", str(src), "--heads", "0:0", "-o", str(tmp_path / "never")]
+                      + (["--streaming"] if streaming else []))
+    assert r.exit_code == 2 and "--unit head" in r.stderr and not (tmp_path / "never").exists()
+
+
+def test_refit_prune_chooses_single_heads_and_the_table_shows_the_groups(src, tmp_path):
+    """--compensate with --unit head: one head is one step (the layer keeps its other group whole)."""
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["prune", str(src), "--num-heads", "1", "--unit", "head", "--compensate", "--protect-layers",
+                            "none", "--data", "builtin:pydoc", "--max-samples", "4", "--seq-len", "32", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    lm, meta = _written(out)
+    [layer] = [i for i, g in enumerate(lm.geometry) if g.num_heads == 3]
+    sizes = lm.geometry[layer].group_sizes
+    assert sorted(sizes) == [1, 2] and lm.geometry[layer].num_kv_heads == 2
+    assert meta["summary"]["layers"][layer]["kv_group_sizes_after"] == list(sizes)
+    assert f"2 → 2 ({sizes[0]}+{sizes[1]})" in (out / "README.md").read_text()
+    assert f"({sizes[0]}+{sizes[1]})" in r.output
+    # the refit changed the layer's output projection: the gated original with those columns is the reference
+    ids = sample_ids("llama")
+    ref = load_model(str(src), dtype="float32", device="cpu")
+    sel = Selection.from_kept(ref.geometry, meta["kept_heads"], uneven=True)
+    hd = ref.geometry[layer].head_dim
+    o_new = lm.adapter.o_proj_module(lm.model, layer).weight.detach()
+    o_ref = ref.adapter.o_proj_module(ref.model, layer).weight
+    with torch.no_grad():
+        o_ref.zero_()
+        for j, h in enumerate(sel.kept[layer]):
+            o_ref[:, h * hd:(h + 1) * hd] = o_new[:, j * hd:(j + 1) * hd]
+    with head_gates(ref.model, ref.adapter, init=sel.mask(ref.geometry)):
+        want = logits_of(ref.model, ids)
+    assert (logits_of(lm.model, ids) - want).abs().max().item() <= 1e-4
+
+
+def test_what_needs_equal_groups_refuses_uneven_layers_in_one_line(src, tmp_path):
+    pruned = tmp_path / "pruned"
+    assert runner.invoke(app, ["prune", str(src), "--heads", "1:0", "--unit", "head", "-o", str(pruned)]).exit_code == 0
+    info = runner.invoke(app, ["info", str(pruned), "--trust-remote-code", "--json"])
+    assert info.exit_code == 0 and json.loads(info.stdout)["kv_group_sizes"] == {"1": [1, 2]}
+    assert "layer 1 (1+2)" in runner.invoke(app, ["info", str(pruned), "--trust-remote-code"]).output
+    cases = [
+        (["prune", str(pruned), "--heads", "0:0,2", "-o", str(tmp_path / "a")], "--unit head"),
+        (["prune", str(pruned), "--num-heads", "2", "--compensate", "--data", "builtin:pydoc", "--max-samples", "2",
+          "--seq-len", "16", "-o", str(tmp_path / "a")], "--unit head"),
+        (["convert-gqa", str(pruned), "--kv-heads", "1", "--merge", "mean", "-o", str(tmp_path / "a")],
+         "different sizes"),
+    ]
+    for args, msg in cases:
+        r = runner.invoke(app, [*args, "--trust-remote-code"])
+        assert r.exit_code == 2, (args, r.output)
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and msg in lines[0], (args, r.stderr)
+        assert not (tmp_path / "a").exists()
+    # a second prune with --unit head goes on from the uneven layer
+    again = tmp_path / "again"
+    r = runner.invoke(app, ["prune", str(pruned), "--heads", "1:2", "--unit", "head", "-o", str(again),
+                            "--trust-remote-code"])
+    assert r.exit_code == 0, r.output
+    lm, meta = _written(again)
+    assert [(g.num_heads, g.num_kv_heads) for g in lm.geometry][1] == (2, 2)
+    # loaded through the folder's own copy of the modeling file, pruned again: still the gated original
+    ids = sample_ids("llama")
+    kept = [[0, 1, 2, 3], [1, 2], [0, 1, 2, 3]]  # the second list counts the pruned layer's heads: 2 is head 3
+    assert (logits_of(lm.model, ids) - _gated_logits(src, kept, ids)).abs().max().item() <= 1e-4
+    for folder in (pruned, again):
+        remote = load_model(str(folder), dtype="float32", device="cpu", trust_remote_code=True)
+        want = _gated_logits(src, kept if folder == again else [[0, 1, 2, 3], [1, 2, 3], [0, 1, 2, 3]], ids)
+        assert (logits_of(remote.model, ids) - want).abs().max().item() <= 1e-4, folder
