@@ -100,7 +100,8 @@ def test_the_demo_description_says_what_its_steps_do():
             assert f"{step['fraction']:.0%} of query heads" in part, part
             assert ("over all layers" in part) == (step.get("scope", "global") == "global"), part
             assert ("one query head per KV group" in part) == (step.get("unit") == "query"), part
-            assert ("(compensated)" in part) == bool(step.get("compensate")), part
+            assert ("any single head" in part) == (step.get("unit") == "head"), part
+            assert "compensated)" in part if step.get("compensate") else "compensated" not in part, part
         elif name == "convert_gqa":
             assert f"to {step['kv_heads']} KV head" in part and f"({step['merge']})" in part, part
         elif name == "convert_mla":
