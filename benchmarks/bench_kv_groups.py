@@ -1,8 +1,8 @@
-"""What pruning in whole GQA steps costs: SmolLM2-135M's heads removed one per KV group (today's prune)
-against any single head.
+"""What pruning in whole GQA steps costs: SmolLM2-135M's heads removed one per KV group (`prune --unit query`,
+the default) against any single head (`--unit head`).
 
 `prune --unit query` on a grouped-query layer removes one query head from every KV group at a time
-(the groups must stay equal in size: one attention layer expresses one group size), so SmolLM2-135M
+(the groups stay equal in size, which the family's stock attention expresses), so SmolLM2-135M
 (9 query heads in 3 groups a layer) loses 0, 3 or 6 heads a layer. To measure what that constraint
 costs, the model is also expanded exactly to multi-head attention (every query head gets its own
 copy of its group's K/V head: the same function, checked on the evaluation sets), where a prune may
@@ -10,8 +10,8 @@ remove any single head. Both are pruned by the same code at prune's defaults (gr
 calibration, `--compensate --anchor 1`, `--normalize auto`: obs now, layer,none judged on self text when
 results/kv_groups.json was measured; the first layer protected), the same number of heads, on the same calibration; evaluated out of domain as
 bench_cross_domain.py. The expanded model's KV cache is 3x the original's, so it is a measurement
-of the selection, not a way to prune: keeping the 3 K/V heads with uneven groups is what would make
-it one.
+of the selection; `prune --unit head` keeps the 3 K/V heads with groups of different sizes and makes the
+same choices to the same function (tests/test_bench_kv_groups.py), so these rows are what it gives.
 
     python benchmarks/bench_kv_groups.py --seeds 0,1,2 --fractions 0.25
 """
@@ -41,8 +41,8 @@ from headtool.workflows.requests import PruneRequest, ScoreRequest  # noqa: E402
 from headtool.workflows.score import score_loaded  # noqa: E402
 
 CALIBRATION = "builtin:pydoc+self"
-VARIANTS = {"gqa": "one query head from every KV group a step (prune today)",
-            "any": "any single head (the model expanded to one K/V head per query head)"}
+VARIANTS = {"gqa": "one query head from every KV group a step (prune --unit query, the default)",
+            "any": "any single head (prune --unit head; measured on the model expanded to one K/V head per query head)"}
 
 
 def expand_to_mha(model, adapter) -> None:
@@ -124,7 +124,7 @@ def render(doc: dict) -> str:
         rows = [r for r in doc["rows"] if r["fraction"] == fraction]
         for variant in doc["variants"]:
             mine = [r for r in rows if r["variant"] == variant]
-            step = "one per KV group (today)" if variant == "gqa" else "any single head"
+            step = "one per KV group (`--unit query`)" if variant == "gqa" else "any single head (`--unit head`)"
             for r in mine:
                 per = sorted(set(r["removed_per_layer"]))
                 lines.append(f"| {fraction:.0%} ({r['heads_removed']}) | {r['seed']} | {step} | "

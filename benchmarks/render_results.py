@@ -330,9 +330,11 @@ def kv_groups_section(doc: dict) -> str:
 
     st = doc["settings"]
     return "\n".join([
-        "### Heads removed in whole GQA steps or one at a time: SmolLM2-135M, no training",
+        "### Heads removed in whole GQA steps or one at a time (`--unit query` or `head`): SmolLM2-135M, no training"
+        + ("" if st.get("eval", 16) == 16 else f", {st['eval']} evaluation blocks a set"),
         "",
-        "On a grouped-query layer prune removes one query head from every KV group at a time (the groups stay "
+        "On a grouped-query layer `prune --unit query` (the default) removes one query head from every KV group at a "
+        "time (the groups stay "
         "equal in size), so SmolLM2-135M (9 query heads in 3 groups) loses 0, 3 or 6 heads a layer. What that "
         "costs, measured by pruning the model expanded exactly to multi-head attention (each query head its own "
         "copy of its group's K/V head; the same perplexities), where any single head can go: prune's defaults "
@@ -342,8 +344,11 @@ def kv_groups_section(doc: dict) -> str:
         + (f"; one anchor for every layer, `{earlier_refit_flags()}`, the defaults then"
            if "anchor_power" not in st else f"; `--anchor-power {st['anchor_power']:g} --damping {st['damping']:g}`")
         + "), the same number of heads, "
-        "out-of-domain ratios as above. A measurement of the choice, not a way to prune (the expanded cache is "
-        "3x the original's): keeping the 3 K/V heads with uneven groups would make it one.",
+        + ("out-of-domain ratios as above" if st.get("eval", 16) == 16 else
+           f"out-of-domain ratios judged on {st['eval']} evaluation blocks a set") + ". "
+        "`prune --unit head` removes single heads without the expansion: it keeps the 3 K/V heads, with groups "
+        "of different sizes, and makes the same choices to the same function (tests/test_bench_kv_groups.py), so "
+        "the any-single-head rows are what it gives.",
         "",
         render(doc),
         "",

@@ -41,9 +41,9 @@ def test_the_table_has_a_row_per_sample_and_a_geometric_mean_per_variant():
            "settings": {"fractions": [0.25]},
            "rows": [row(0, "gqa", 1.1), row(1, "gqa", 1.4), row(0, "any", 1.0), row(1, "any", 1.21)]}
     table = render(doc)
-    assert "| 25% | geometric mean | one per KV group (today) | **1.241x** |" in table
-    assert "| 25% | geometric mean | any single head | **1.100x** |" in table
-    assert "| 25% (66) | 1 | any single head | 1.210x | 0, 1, 2 |" in table
+    assert "| 25% | geometric mean | one per KV group (`--unit query`) | **1.241x** |" in table
+    assert "| 25% | geometric mean | any single head (`--unit head`) | **1.100x** |" in table
+    assert "| 25% (66) | 1 | any single head (`--unit head`) | 1.210x | 0, 1, 2 |" in table
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
