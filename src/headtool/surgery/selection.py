@@ -365,11 +365,17 @@ def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence
 
 
 # ----------------------------------------------------------------------------- inside one layer
+def _single_heads(geo: LayerHeads, unit: str) -> bool:
+    """Whether `unit`'s steps in this layer are single query heads: --unit head, multi-head
+    attention, or --unit query over one KV head."""
+    return unit == "head" or geo.num_heads == geo.num_kv_heads or (unit == "query" and geo.num_kv_heads == 1)
+
+
 def candidate_sets(geo: LayerHeads, n_remove: int, unit: str) -> list[list[int]] | None:
     """Every removal set of `n_remove` query heads obeying `unit`, or None when too many."""
     if n_remove == 0:
         return [[]]
-    if unit == "head" or geo.num_heads == geo.num_kv_heads or (unit == "query" and geo.num_kv_heads == 1):
+    if _single_heads(geo, unit):
         pools, per = [list(range(geo.num_heads))], [n_remove]
     elif unit == "group":
         g = geo.group_size
@@ -402,7 +408,7 @@ def choose_removal(geo: LayerHeads, n_remove: int, unit: str,
     sets = candidate_sets(geo, n_remove, unit)
     if sets is not None:
         return min(sets, key=lambda s: (cost(s), s))
-    if unit == "head" or geo.num_heads == geo.num_kv_heads or (unit == "query" and geo.num_kv_heads == 1):
+    if _single_heads(geo, unit):
         units = [[h] for h in range(geo.num_heads)]
         rounds = [units] * n_remove
     elif unit == "group":
