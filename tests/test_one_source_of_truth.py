@@ -93,17 +93,19 @@ def test_the_methods_the_code_supports_are_accepted_by_both():
     from headtool.surgery.latent import RANK_ALLOCATIONS
     from headtool.surgery.merging import GROUPINGS
     from headtool.surgery.merging import METHODS as MERGES
+    from headtool.surgery.selection import UNITS
     from headtool.train.healing import TRAIN_MODES
 
     assert set(requests.SCORE_METHODS) == set(METHODS)
     assert set(requests.MERGE_METHODS) == set(MERGES)
     assert set(requests.GROUPINGS) == set(GROUPINGS)
+    assert set(requests.PRUNE_UNITS) == set(UNITS)
     assert set(requests.OBJECTIVES) == {"auto", *OBJECTIVES}
     assert set(requests.RANK_ALLOCATIONS) == set(RANK_ALLOCATIONS)
     for step, key, values in [("score", "method", METHODS), ("prune", "method", METHODS),
                               ("convert_gqa", "merge", MERGES), ("convert_gqa", "grouping", GROUPINGS),
                               ("heal", "train", TRAIN_MODES), ("score", "objective", requests.OBJECTIVES),
-                              ("convert_mla", "rank_allocation", RANK_ALLOCATIONS),
+                              ("convert_mla", "rank_allocation", RANK_ALLOCATIONS), ("prune", "unit", UNITS),
                               ("score", "normalize", ("auto", "layer", "none"))]:
         opt = step_options(step)[key]
         for v in values:

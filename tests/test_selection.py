@@ -60,7 +60,7 @@ def test_unit_head_removes_single_heads_and_keeps_every_kv_head_with_a_reader():
     assert sel.keeps[0].kv == (0, 1) and sel.keeps[0].group_sizes == (2, 1)
     assert sel.geometry(GQA)[0] == LayerHeads(3, 2, 8, (2, 1))
     # the last reader of a KV head takes it along: groups of 3 and 0 are one group of 3
-    sel = selection_from_removed({0: [3, 4, 5]}, GQA, uneven=True)
+    sel = selection_from_removed({0: [3, 4, 5]}, GQA, unit="head")
     assert sel.geometry(GQA)[0] == LayerHeads(3, 1, 8) and sel.keeps[0].group_sizes is None
     with pytest.raises(UsageError, match="unequal sizes"):
         selection_from_removed({0: [0]}, GQA)  # without --unit head the groups must stay equal

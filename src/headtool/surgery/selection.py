@@ -349,10 +349,11 @@ def head_pairs(heads: dict[int, Sequence[int]]) -> list[tuple[int, int]]:
 
 
 def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence[LayerHeads],
-                           min_heads: int = 1, uneven: bool = False) -> Selection:
+                           min_heads: int = 1, unit: str = "query") -> Selection:
     """A Selection that removes exactly the listed heads (checked against the GQA rules: equal KV
-    groups unless `uneven`, --unit head)."""
+    groups unless `unit` is head, which a model with uneven groups needs)."""
     check_min_heads(min_heads, geometry)
+    check_unit(unit, geometry)
     kept = []
     for i, g in enumerate(geometry):
         gone = set(removed.get(i, ()))
@@ -361,7 +362,7 @@ def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence
             raise UsageError(f"layer {i} would keep {len(k)} query heads, fewer than --min-heads-per-layer "
                              f"{min_heads}")
         kept.append(k)
-    return Selection.from_kept(geometry, kept, uneven)
+    return Selection.from_kept(geometry, kept, unit == "head")
 
 
 # ----------------------------------------------------------------------------- inside one layer

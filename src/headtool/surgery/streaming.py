@@ -28,7 +28,7 @@ from ..model.refs import resolve_ref
 from ..model.resize import resize_attention
 from .merging import check_target, contiguous_groups, mean_layer_tensors
 from .selection import check_target as check_selection_target
-from .selection import Target, check_unit, parse_heads, select_heads, selection_from_removed
+from .selection import Target, parse_heads, select_heads, selection_from_removed
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -233,8 +233,7 @@ def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads:
     geometry = ck.geometry
     target = None
     if heads is not None:
-        check_unit(unit, geometry)
-        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads, unit == "head")
+        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads, unit)
         score_info = None
     else:
         target = target_for(len(geometry))

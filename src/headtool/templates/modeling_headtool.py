@@ -161,8 +161,8 @@ def resize_layer(model: nn.Module, spec: dict, layer: int, num_heads: int, num_k
     if group_sizes is not None:
         if current is None:
             raise ValueError(f"layer {layer}: this attention module has no config to route uneven KV groups through")
-        # the layer's attention goes through uneven_attention, which gathers each query head's
-        # K/V head from the cache and calls the model's chosen attention function
+        # the layer's attention goes through uneven_attention, which pads its groups to the
+        # largest and calls the model's chosen attention function on the cached KV heads
         overrides["_attn_implementation"] = UNEVEN_ATTENTION
         attn.headtool_group_sizes = tuple(group_sizes)
     elif hasattr(attn, "headtool_group_sizes"):

@@ -26,7 +26,6 @@ from ..surgery.selection import (
     Selection,
     Target,
     check_target,
-    check_unit,
     parse_heads,
     parse_protect,
     select_heads,
@@ -157,9 +156,8 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         spec = None  # the default data, and nothing in this prune reads it
     target = None
     if req.heads is not None:
-        check_unit(req.unit, geometry)
         selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer,
-                                           req.unit == "head")
+                                           req.unit)
     else:
         target = prune_target(req, len(geometry))
         check_target(target, geometry)
