@@ -5,7 +5,7 @@ import pytest
 
 from headtool.arch import LayerHeads
 from headtool.errors import UsageError
-from headtool.surgery.selection import (Target, candidate_sets, choose_removal, head_pairs, parse_heads, parse_protect,
+from headtool.surgery.selection import (Target, candidate_sets, choose_removal, choose_removals, head_pairs, parse_heads, parse_protect,
     removal_steps, select_heads, selection_from_removed)
 
 MHA = [LayerHeads(4, 4, 8)] * 3
@@ -182,3 +182,26 @@ def test_choose_removal_minimizes_cost_under_the_unit_rules():
     assert choose_removal(GQA[0], 2, "head", cost) == [1, 4]
     assert choose_removal(GQA[0], 3, "head", cost) == [1, 4, 5]  # two from one group: --unit head allows it
     assert len(candidate_sets(GQA[0], 3, "head")) == 20
+
+
+def test_choose_removals_beam_keeps_more_than_the_cheapest_set_and_serves_every_count():
+    geo = LayerHeads(9, 3, 8)
+    single = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0, 4: 3.5, 5: 4.0, 6: 4.5, 7: 5.0, 8: 5.5}
+
+    def cost(s):  # heads 1 and 2 are redundant with each other: together they cost less than any pair with 0
+        calls.append(tuple(s))
+        return sum(single[h] for h in s) - (3.9 if {1, 2} <= set(s) else 0.0)
+    calls: list = []
+    chosen = choose_removals(geo, range(9), "head", cost)
+    assert sorted(chosen) == list(range(9)) and chosen[0] == []
+    assert chosen[1] == [0] and chosen[2] == [1, 2]  # one set a round (greedy) would keep 0 and miss the pair
+    assert chosen[3] == [0, 1, 2]
+    assert len(set(calls)) == len(calls) < sum(len(candidate_sets(geo, n, "head")) for n in range(1, 9))
+    # a single small count: exhaustive (exact), no dearer than the beam there; the beam over every count misses
+    triple = lambda s: (-1.0 if set(s) == {6, 7, 8} else 1.0) + 0.1 * sum(s)  # noqa: E731
+    assert choose_removal(geo, 3, "head", triple) == [6, 7, 8]
+    assert choose_removals(geo, range(1, 9), "head", triple)[3] != [6, 7, 8]
+    # the beam obeys the unit rules (one head from every group a step)
+    big = LayerHeads(16, 4, 8)
+    out = choose_removals(big, [4, 8, 12], "query", lambda s: float(sum(s)))
+    assert [[big.kv_head_of(h) for h in out[n]].count(k) for n in (4, 8, 12) for k in range(4)] == [1] * 4 + [2] * 4 + [3] * 4

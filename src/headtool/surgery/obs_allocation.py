@@ -11,7 +11,7 @@ refit itself (Optimal Brain Surgeon on heads, as ZipLM and SlimGPT do for struct
   y costs about E[(g·e)²] ≈ E||g||² E||e||² / d);
 - per layer and per count the layer may lose (its removal steps, as `select_heads` takes them): the
   error the anchored refit leaves when the heads it would choose are removed (`removal_cost` with
-  `choose_removal`, exactly what `--choose-in-layer refit` minimizes, here on the unpruned inputs);
+  `choose_removals`, exactly what `--choose-in-layer refit` minimizes, here on the unpruned inputs);
 - the counts: the split of the target's number of heads over the layers (protected layers lose
   none) that minimizes the sum of sensitivity x error, by dynamic programming (exact; the errors
   are not additive over layers in truth, since a layer's refit sees the drift of the layers before
@@ -40,7 +40,7 @@ from ..errors import UsageError
 from ..measure.objectives import objective_losses, forward_output
 from ..measure.scoring import scoring_mode
 from .compensation import LayerStats, o_proj_matrix, removal_cost
-from .selection import Selection, Target, choose_removal, layer_steps, selection_from_steps
+from .selection import Selection, Target, choose_removals, layer_steps, selection_from_steps
 
 
 @dataclass
@@ -161,8 +161,8 @@ def layer_errors(model: nn.Module, adapter: Adapter, geometry: Sequence[LayerHea
         stats = LayerStats(gram, gram @ w.T, float((w @ gram * w).sum()), 0, bias)
         cost = removal_cost(stats, damping, adapter, geo, anchor=anchor, w0=w)
         base = cost([])
-        out.append([0.0 if n == 0 else max(cost(choose_removal(geo, n, unit, cost)) - base, 0.0)
-                    for n in counts[i]])
+        chosen = choose_removals(geo, counts[i], unit, cost)
+        out.append([0.0 if n == 0 else max(cost(chosen[n]) - base, 0.0) for n in counts[i]])
     return out
 
 
