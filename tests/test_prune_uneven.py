@@ -1,7 +1,7 @@
 """prune --unit head on grouped-query models: single query heads go, every KV head with a reader stays,
 the groups differ in size; the written model equals the gated original (in memory, streamed, refit), and
-what cannot take such layers (convert-gqa, a second prune by KV groups) says so in one line. convert-mla
-takes them: tests/test_convert_mla.py."""
+what cannot take such layers (a second prune by KV groups) says so in one line. convert-gqa merges them
+(into equal groups again); convert-mla takes them: tests/test_convert_mla.py."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from headtool.cli.app import app
 from headtool.measure.gates import head_gates
 from headtool.model.loading import load_model
 from headtool.surgery.selection import Selection
-from tiny_models import logits_of, sample_ids, save_tiny
+from tiny_models import logits_of, sample_ids, save_tiny, tiny_model, tokenizer_for
 
 runner = CliRunner()
 
@@ -85,7 +85,7 @@ def test_refit_prune_chooses_single_heads_and_the_table_shows_the_groups(src, tm
     assert (logits_of(lm.model, ids) - want).abs().max().item() <= 1e-4
 
 
-def test_what_needs_equal_groups_refuses_uneven_layers_in_one_line(src, tmp_path):
+def test_a_second_prune_by_kv_groups_refuses_uneven_layers_in_one_line(src, tmp_path):
     pruned = tmp_path / "pruned"
     assert runner.invoke(app, ["prune", str(src), "--heads", "1:0", "--unit", "head", "-o", str(pruned)]).exit_code == 0
     info = runner.invoke(app, ["info", str(pruned), "--trust-remote-code", "--json"])
@@ -95,8 +95,6 @@ def test_what_needs_equal_groups_refuses_uneven_layers_in_one_line(src, tmp_path
         (["prune", str(pruned), "--heads", "0:0,2", "-o", str(tmp_path / "a")], "--unit head"),
         (["prune", str(pruned), "--num-heads", "2", "--compensate", "--data", "builtin:pydoc", "--max-samples", "2",
           "--seq-len", "16", "-o", str(tmp_path / "a")], "--unit head"),
-        (["convert-gqa", str(pruned), "--kv-heads", "1", "--merge", "mean", "-o", str(tmp_path / "a")],
-         "different sizes"),
     ]
     for args, msg in cases:
         r = runner.invoke(app, [*args, "--trust-remote-code"])
@@ -119,3 +117,50 @@ def test_what_needs_equal_groups_refuses_uneven_layers_in_one_line(src, tmp_path
         remote = load_model(str(folder), dtype="float32", device="cpu", trust_remote_code=True)
         want = _gated_logits(src, kept if folder == again else [[0, 1, 2, 3], [1, 2, 3], [0, 1, 2, 3]], ids)
         assert (logits_of(remote.model, ids) - want).abs().max().item() <= 1e-4, folder
+
+
+@pytest.fixture(scope="module")
+def twin_kv(tmp_path_factory):
+    """A tiny llama (6 query heads, 3 KV heads) whose KV heads are equal in every layer: merging them
+    changes nothing."""
+    model = tiny_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
+    hd = model.config.head_dim
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight[hd:2 * hd] = proj.weight[:hd]
+                proj.weight[2 * hd:] = proj.weight[:hd]
+    folder = tmp_path_factory.mktemp("twin") / "src"
+    model.save_pretrained(folder)
+    tokenizer_for("llama").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_convert_gqa_merges_uneven_groups_into_equal_ones(twin_kv, tmp_path, kv_heads):
+    """An uneven prune (groups 1+1+2 in two layers) merged to fewer KV heads: equal groups again (stock
+    attention in every layer), and with equal KV heads the merge is exact (mean in memory and
+    streamed); the data-aware merges and similarity grouping take the uneven layers too."""
+    pruned = tmp_path / "pruned"
+    r = runner.invoke(app, ["prune", str(twin_kv), "--heads", "0:0,3;2:1,2", "--unit", "head", "-o", str(pruned)])
+    assert r.exit_code == 0, r.output
+    before = load_model(str(pruned), dtype="float32", device="cpu")
+    assert [g.group_sizes for g in before.geometry] == [(1, 1, 2), None, (1, 1, 2)]
+    ids = sample_ids("llama")
+    want = logits_of(before.model, ids)
+    outs = {}
+    for name, extra in {"mean": ["--merge", "mean"], "streamed": ["--merge", "mean", "--streaming"],
+                        "fit": ["--merge", "fit", "--grouping", "similarity", "--data", "builtin:pydoc",
+                                "--max-samples", "2", "--seq-len", "16"]}.items():
+        outs[name] = tmp_path / name
+        r = runner.invoke(app, ["convert-gqa", str(pruned), "--kv-heads", str(kv_heads), "-o", str(outs[name]), *extra])
+        assert r.exit_code == 0, (name, r.output)
+        layout = json.loads((outs[name] / "config.json").read_text())[LAYOUT_KEY]
+        assert "group_sizes" not in layout, name
+        lm = load_model(str(outs[name]), dtype="float32", device="cpu")
+        assert [(g.num_heads, g.num_kv_heads, g.group_sizes) for g in lm.geometry] == \
+            [(4, kv_heads, None), (6, kv_heads, None), (4, kv_heads, None)], name
+        if name != "fit":
+            assert (logits_of(lm.model, ids) - want).abs().max().item() <= 1e-4, name
+    remote = load_model(str(outs["mean"]), dtype="float32", device="cpu", trust_remote_code=True)
+    assert (logits_of(remote.model, ids) - want).abs().max().item() <= 1e-4

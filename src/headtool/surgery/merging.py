@@ -74,15 +74,6 @@ def _one_thread(fn: _F) -> _F:
 
 # --------------------------------------------------------------------------- targets
 
-def refuse_uneven(geometry: Sequence[LayerHeads]) -> None:
-    """UsageError when a layer's KV groups differ in size (an earlier `prune --unit head`): merging
-    regroups query heads in contiguous equal groups, which such a layer does not have."""
-    uneven = [i for i, g in enumerate(geometry) if g.uneven]
-    if uneven:
-        raise UsageError(f"convert-gqa: layer {uneven[0]} has KV groups of different sizes (pruned with --unit head); "
-                         "merge before pruning, or prune with --unit query")
-
-
 def valid_kv_targets(geometry: Sequence[LayerHeads]) -> list[int]:
     """KV-head counts every layer can be merged to: divisors of the query heads below the KV heads."""
     lo = min(g.num_kv_heads for g in geometry)
@@ -91,7 +82,6 @@ def valid_kv_targets(geometry: Sequence[LayerHeads]) -> list[int]:
 
 def check_target(adapter: Adapter, geometry: Sequence[LayerHeads], n: int) -> None:
     """UsageError (exit 2) when `n` KV heads cannot be expressed; lists the valid values."""
-    refuse_uneven(geometry)
     if not adapter.support.kv_heads:
         raise UsageError(f"convert-gqa: the {adapter.family} family has no KV-head setting in its config "
                          f"(every query head has its own K/V and the stock model cannot share them); "
@@ -460,10 +450,10 @@ def similarity_groups(b: Blocks, geo: LayerHeads, n: int, gram: torch.Tensor, ro
                       k_aligned: bool, v_aligned: bool) -> list[tuple[int, ...]]:
     """Groups of query heads whose KV heads behave most alike; each group's heads ascending."""
     dist = kv_distances(b, gram, rot_dim, k_aligned, v_aligned)
-    if geo.num_kv_heads % n == 0:  # whole old KV groups move together
+    if geo.num_kv_heads % n == 0 and not geo.uneven:  # whole old KV groups move together
         parts = balanced_partition(dist, n)
         groups = [tuple(h for j in p for h in geo.query_heads_of(j)) for p in parts]
-    else:  # an old KV head has to be split: query heads are the units
+    else:  # an old KV head has to be split, or the old groups differ in size: query heads are the units
         kv = torch.tensor([geo.kv_head_of(h) for h in range(geo.num_heads)])
         parts = balanced_partition(dist[kv][:, kv], n)
         groups = [tuple(p) for p in parts]
