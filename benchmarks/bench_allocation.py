@@ -79,7 +79,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
                 req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize=mode,
-                                   **cross.EARLIER_REFIT)
+                                   **cross.EARLIER_REFIT, unit="query")  # the unit of its results (prune's default then)
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
                 row["heads_removed"] = done.result.summary()["heads_removed"]

@@ -347,6 +347,9 @@ def main() -> None:
     ap.add_argument("--auto-heldout", default="",
                     help="CAL=HELD pairs (comma list): for calibration CAL also a row with --anchor auto chosen on "
                          "--heldout-data HELD (25%% prune and fit), e.g. builtin:pydoc=self")
+    ap.add_argument("--unit", default="query", choices=("query", "head", "auto"),
+                    help="prune's --unit for the prune rows: query, the default when the results in README were "
+                         "measured (auto, prune's default since 2026-12-07, is head for the rows with --compensate)")
     ap.add_argument("--merges", default=",".join(MERGES), help="3 -> 1 KV merge methods, one row each")
     ap.add_argument("--cal", type=int, default=32, help="calibration / scoring blocks")
     ap.add_argument("--held", type=int, default=8, help="held-out blocks after them (fit's refit checks)")
@@ -463,7 +466,7 @@ def main() -> None:
             extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
                                               max_samples=a.held, seed=a.seed)} if heldout else {}
             req = PruneRequest(model=MODEL, fraction=fraction, compensate=compensate, data=spec, anchor=anchor,
-                               protect_layers=protect, normalize=normalize, **extra)
+                               protect_layers=protect, normalize=normalize, unit=a.unit, **extra)
             done = prune_loaded(plm, req, scores=scored[method].result, text_model=lm)
             prune_s = time.perf_counter() - t0
             del model  # plm.model is the pruned model (the winning candidate when normalizations were compared)
@@ -475,7 +478,8 @@ def main() -> None:
                  "compensate": compensate, "anchor": anchor if compensate else None,
                  "anchor_power": req.power if compensate else None, "damping": req.damping if compensate else None,
                  "heldout_data": heldout,
-                 "protect_layers": protect, "normalize": normalize, "allocation": done.result.allocation,
+                 "protect_layers": protect, "normalize": normalize, "unit": done.target.unit,
+                 "allocation": done.result.allocation,
                  "removed_per_layer": [len(r) for r in done.result.selection.removed(
                      done.result.geometry_before)],
                  "choose_in_layer": done.result.choice if compensate else None, "eval": ev,

@@ -56,7 +56,7 @@ STUDENTS = {  # name -> the headtool command (after the model) that makes it
     "mqa-mean": ["convert-gqa", "--kv-heads", "1", "--merge", "mean"],
     "mqa": ["convert-gqa", "--kv-heads", "1", "--merge", "mean,aligned,fit"],
     "prune25": ["prune", "--fraction", "0.25"],
-    "prune25-comp": ["prune", "--fraction", "0.25", "--compensate"],
+    "prune25-comp": ["prune", "--fraction", "0.25", "--compensate", "--unit", "query"],  # the unit of its results
 }
 
 

@@ -1,5 +1,5 @@
 """What pruning in whole GQA steps costs: SmolLM2-135M's heads removed one per KV group (`prune --unit query`,
-the default) against any single head (`--unit head`).
+the default until 2026-12-07) against any single head (`--unit head`).
 
 `prune --unit query` on a grouped-query layer removes one query head from every KV group at a time
 (the groups stay equal in size, which the family's stock attention expresses), so SmolLM2-135M
@@ -41,7 +41,7 @@ from headtool.workflows.requests import PruneRequest, ScoreRequest  # noqa: E402
 from headtool.workflows.score import score_loaded  # noqa: E402
 
 CALIBRATION = "builtin:pydoc+self"
-VARIANTS = {"gqa": "one query head from every KV group a step (prune --unit query, the default)",
+VARIANTS = {"gqa": "one query head from every KV group a step (prune --unit query)",
             "any": "any single head (prune --unit head; measured on the model expanded to one K/V head per query head)"}
 
 
@@ -94,7 +94,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 plm = model_from_object(copy.deepcopy(src.model), tok, ref=cross.MODEL)
                 count = {"fraction": fraction} if variant == "gqa" else {"num_heads": removed[fraction]}
-                req = PruneRequest(model=cross.MODEL, compensate=True, data=spec, **count)
+                req = PruneRequest(model=cross.MODEL, compensate=True, data=spec, unit="query", **count)
                 done = prune_loaded(plm, req, scores=scores, text_model=lm)
                 prune_s = time.perf_counter() - t0
                 s = done.result.summary()

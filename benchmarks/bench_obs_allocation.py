@@ -68,7 +68,7 @@ def main() -> None:
             t0 = time.perf_counter()
             plm = model_from_object(copy.deepcopy(lm.model), tok, ref=cross.MODEL)
             req = PruneRequest(model=cross.MODEL, fraction=fraction, compensate=True, data=spec, normalize="obs",
-                               anchor_power=a.anchor_power, damping=a.damping)
+                               anchor_power=a.anchor_power, damping=a.damping, unit="query")  # the unit of its results (prune's default then)
             done = prune_loaded(plm, req, scores=scores, text_model=lm)
             prune_s = time.perf_counter() - t0
             verdict = evaluate(plm.model, judge, "lm", label="judge obs", per_block=True)

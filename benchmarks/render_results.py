@@ -333,8 +333,9 @@ def kv_groups_section(doc: dict) -> str:
         "### Heads removed in whole GQA steps or one at a time (`--unit query` or `head`): SmolLM2-135M, no training"
         + ("" if st.get("eval", 16) == 16 else f", {st['eval']} evaluation blocks a set"),
         "",
-        "On a grouped-query layer `prune --unit query` (the default) removes one query head from every KV group at a "
-        "time (the groups stay "
+        "On a grouped-query layer `prune --unit query` (the default until 2026-12-07; `auto` since, which is `head` "
+        "for a compensated prune over all layers, from these measurements) removes one query head from every KV "
+        "group at a time (the groups stay "
         "equal in size), so SmolLM2-135M (9 query heads in 3 groups) loses 0, 3 or 6 heads a layer. What that "
         "costs, measured by pruning the model expanded exactly to multi-head attention (each query head its own "
         "copy of its group's K/V head; the same perplexities), where any single head can go: prune's defaults "

@@ -244,3 +244,16 @@ def test_existing_output_refused_and_subprocess(tmp_path):
                         "--merge", "mean", "-o", str(tmp_path / "out")], capture_output=True, text=True)
     assert p.returncode == 2 and "already exists" in p.stderr
     assert (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_kv_targets_leave_layers_that_have_so_few_kv_heads_already():
+    """A layer with the target's KV heads or fewer (a prune removed whole groups) stays as it is;
+    the others must divide their query heads by the target."""
+    from headtool.arch import LayerHeads
+    from headtool.surgery.merging import merged_geometry, valid_kv_targets
+
+    geometry = [LayerHeads(4, 2, 8), LayerHeads(6, 3, 8), LayerHeads(3, 1, 8), LayerHeads(5, 3, 8, (2, 2, 1))]
+    assert valid_kv_targets(geometry) == [1]  # 2 would have to divide layer 3's 5 query heads
+    assert valid_kv_targets(geometry[:3]) == [1, 2]
+    assert merged_geometry(geometry[:3], 2) == [LayerHeads(4, 2, 8), LayerHeads(6, 2, 8), LayerHeads(3, 1, 8)]
+    assert valid_kv_targets([LayerHeads(4, 1, 8)]) == []

@@ -48,7 +48,7 @@ def test_anchor_inf_is_no_refit(setup, tmp_path):
     """An infinitely strong pull toward the unrefit weights keeps them: the bytes of a plain prune."""
     _, src, _ = setup
     a = _run("prune", src, *COMMON, "--fraction", 0.25, "--compensate", "--anchor", "inf",
-             "--choose-in-layer", "scores", "-o", tmp_path / "a")
+             "--choose-in-layer", "scores", "--unit", "query", "-o", tmp_path / "a")  # the plain prune's unit
     b = _run("prune", src, *COMMON, "--fraction", 0.25, "-o", tmp_path / "b")
     assert a.exit_code == 0 and b.exit_code == 0, (a.stderr, b.stderr)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()

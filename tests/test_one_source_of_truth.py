@@ -99,13 +99,13 @@ def test_the_methods_the_code_supports_are_accepted_by_both():
     assert set(requests.SCORE_METHODS) == set(METHODS)
     assert set(requests.MERGE_METHODS) == set(MERGES)
     assert set(requests.GROUPINGS) == set(GROUPINGS)
-    assert set(requests.PRUNE_UNITS) == set(UNITS)
+    assert set(requests.PRUNE_UNITS) == {"auto", *UNITS}
     assert set(requests.OBJECTIVES) == {"auto", *OBJECTIVES}
     assert set(requests.RANK_ALLOCATIONS) == set(RANK_ALLOCATIONS)
     for step, key, values in [("score", "method", METHODS), ("prune", "method", METHODS),
                               ("convert_gqa", "merge", MERGES), ("convert_gqa", "grouping", GROUPINGS),
                               ("heal", "train", TRAIN_MODES), ("score", "objective", requests.OBJECTIVES),
-                              ("convert_mla", "rank_allocation", RANK_ALLOCATIONS), ("prune", "unit", UNITS),
+                              ("convert_mla", "rank_allocation", RANK_ALLOCATIONS), ("prune", "unit", requests.PRUNE_UNITS),
                               ("score", "normalize", ("auto", "layer", "none"))]:
         opt = step_options(step)[key]
         for v in values:

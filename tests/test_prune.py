@@ -217,7 +217,8 @@ def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_pat
     assert r.exit_code == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["heads_removed"] == 6 and res["eval"]["before"]["loss"] > 0
-    assert [c["layer"] for c in res["compensation"]] == [0, 1, 2]
+    assert [c["layer"] for c in res["compensation"]] == [i for i, k in enumerate(res["kept_heads"]) if len(k) < 4]
+    assert res["options"]["target"]["unit"] == "head"  # --unit auto with --compensate
     assert res["eval_data"]["skip_samples"] == 4  # evaluation blocks never used for calibration
     assert (out / "model.safetensors.index.json").exists()
     assert "query heads" in r.stderr and "KV cache per token" in r.stderr
@@ -395,7 +396,13 @@ def test_auto_protection_needs_a_ranking_across_layers():
     from headtool.workflows.prune import prune_target
     from headtool.workflows.requests import PruneRequest
 
-    assert prune_target(PruneRequest(model="m", fraction=0.5), 30).protect == (0,)
-    assert prune_target(PruneRequest(model="m", fraction=0.5), 1).protect == ()
-    assert prune_target(PruneRequest(model="m", fraction=0.5, scope="layer"), 30).protect == ()
-    assert prune_target(PruneRequest(model="m", fraction=0.5, protect_layers="0"), 1).protect == (0,)
+    from headtool.arch import LayerHeads
+
+    layers = lambda n: [LayerHeads(6, 3, 8)] * n  # noqa: E731
+    assert prune_target(PruneRequest(model="m", fraction=0.5), layers(30)).protect == (0,)
+    assert prune_target(PruneRequest(model="m", fraction=0.5), layers(1)).protect == ()
+    assert prune_target(PruneRequest(model="m", fraction=0.5, scope="layer"), layers(30)).protect == ()
+    assert prune_target(PruneRequest(model="m", fraction=0.5, protect_layers="0"), layers(1)).protect == (0,)
+    # and --unit auto: single heads for a compensated prune over all layers (selection.resolve_unit)
+    assert prune_target(PruneRequest(model="m", fraction=0.5, compensate=True), layers(2)).unit == "head"
+    assert prune_target(PruneRequest(model="m", fraction=0.5), layers(2)).unit == "query"

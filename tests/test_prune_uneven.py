@@ -85,16 +85,16 @@ def test_refit_prune_chooses_single_heads_and_the_table_shows_the_groups(src, tm
     assert (logits_of(lm.model, ids) - want).abs().max().item() <= 1e-4
 
 
-def test_a_second_prune_by_kv_groups_refuses_uneven_layers_in_one_line(src, tmp_path):
+def test_a_second_prune_by_kv_groups_refuses_uneven_layers_in_one_line_and_auto_takes_single_heads(src, tmp_path):
     pruned = tmp_path / "pruned"
     assert runner.invoke(app, ["prune", str(src), "--heads", "1:0", "--unit", "head", "-o", str(pruned)]).exit_code == 0
     info = runner.invoke(app, ["info", str(pruned), "--trust-remote-code", "--json"])
     assert info.exit_code == 0 and json.loads(info.stdout)["kv_group_sizes"] == {"1": [1, 2]}
     assert "layer 1 (1+2)" in runner.invoke(app, ["info", str(pruned), "--trust-remote-code"]).output
     cases = [
-        (["prune", str(pruned), "--heads", "0:0,2", "-o", str(tmp_path / "a")], "--unit head"),
+        (["prune", str(pruned), "--heads", "0:0,2", "--unit", "query", "-o", str(tmp_path / "a")], "--unit head"),
         (["prune", str(pruned), "--num-heads", "2", "--compensate", "--data", "builtin:pydoc", "--max-samples", "2",
-          "--seq-len", "16", "-o", str(tmp_path / "a")], "--unit head"),
+          "--seq-len", "16", "--unit", "group", "-o", str(tmp_path / "a")], "--unit head"),
     ]
     for args, msg in cases:
         r = runner.invoke(app, [*args, "--trust-remote-code"])
@@ -102,10 +102,9 @@ def test_a_second_prune_by_kv_groups_refuses_uneven_layers_in_one_line(src, tmp_
         lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
         assert len(lines) == 1 and msg in lines[0], (args, r.stderr)
         assert not (tmp_path / "a").exists()
-    # a second prune with --unit head goes on from the uneven layer
+    # a second prune goes on from the uneven layer by single heads (--unit auto, the default, is head there)
     again = tmp_path / "again"
-    r = runner.invoke(app, ["prune", str(pruned), "--heads", "1:2", "--unit", "head", "-o", str(again),
-                            "--trust-remote-code"])
+    r = runner.invoke(app, ["prune", str(pruned), "--heads", "1:2", "-o", str(again), "--trust-remote-code"])
     assert r.exit_code == 0, r.output
     lm, meta = _written(again)
     assert [(g.num_heads, g.num_kv_heads) for g in lm.geometry][1] == (2, 2)
@@ -138,16 +137,19 @@ def twin_kv(tmp_path_factory):
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_convert_gqa_merges_uneven_groups_into_equal_ones(twin_kv, tmp_path, kv_heads):
-    """An uneven prune (groups 1+1+2 in two layers) merged to fewer KV heads: equal groups again (stock
-    attention in every layer), and with equal KV heads the merge is exact (mean in memory and
-    streamed); the data-aware merges and similarity grouping take the uneven layers too."""
+    """A prune by single heads (layer 0 lost a whole group: 2 KV heads left; layer 2 groups 2+1+1)
+    merged to fewer KV heads: equal groups again where a layer is merged, a layer that has the
+    target's KV heads already stays as it is (--kv-heads 2: layer 0), and with equal KV heads the
+    merge is exact (mean in memory and streamed); the data-aware merges and similarity grouping
+    take the uneven layers too."""
     pruned = tmp_path / "pruned"
-    r = runner.invoke(app, ["prune", str(twin_kv), "--heads", "0:0,3;2:1,2", "--unit", "head", "-o", str(pruned)])
+    r = runner.invoke(app, ["prune", str(twin_kv), "--heads", "0:0,1;2:3,4", "--unit", "head", "-o", str(pruned)])
     assert r.exit_code == 0, r.output
     before = load_model(str(pruned), dtype="float32", device="cpu")
-    assert [g.group_sizes for g in before.geometry] == [(1, 1, 2), None, (1, 1, 2)]
+    assert [(g.num_kv_heads, g.group_sizes) for g in before.geometry] == [(2, None), (3, None), (3, (2, 1, 1))]
     ids = sample_ids("llama")
     want = logits_of(before.model, ids)
+    layer0 = {k: v for k, v in before.model.state_dict().items() if ".layers.0." in k}
     outs = {}
     for name, extra in {"mean": ["--merge", "mean"], "streamed": ["--merge", "mean", "--streaming"],
                         "fit": ["--merge", "fit", "--grouping", "similarity", "--data", "builtin:pydoc",
@@ -155,12 +157,15 @@ def test_convert_gqa_merges_uneven_groups_into_equal_ones(twin_kv, tmp_path, kv_
         outs[name] = tmp_path / name
         r = runner.invoke(app, ["convert-gqa", str(pruned), "--kv-heads", str(kv_heads), "-o", str(outs[name]), *extra])
         assert r.exit_code == 0, (name, r.output)
-        layout = json.loads((outs[name] / "config.json").read_text())[LAYOUT_KEY]
+        layout = json.loads((outs[name] / "config.json").read_text()).get(LAYOUT_KEY, {})
         assert "group_sizes" not in layout, name
         lm = load_model(str(outs[name]), dtype="float32", device="cpu")
         assert [(g.num_heads, g.num_kv_heads, g.group_sizes) for g in lm.geometry] == \
             [(4, kv_heads, None), (6, kv_heads, None), (4, kv_heads, None)], name
         if name != "fit":
             assert (logits_of(lm.model, ids) - want).abs().max().item() <= 1e-4, name
+        if kv_heads == 2 and name != "fit":  # layer 0 already had 2 KV heads: its weights as they were
+            after = lm.model.state_dict()
+            assert all(torch.equal(after[k], v) for k, v in layer0.items()), name
     remote = load_model(str(outs["mean"]), dtype="float32", device="cpu", trust_remote_code=True)
     assert (logits_of(remote.model, ids) - want).abs().max().item() <= 1e-4

@@ -5,7 +5,7 @@ import pytest
 
 from headtool.arch import LayerHeads
 from headtool.errors import UsageError
-from headtool.surgery.selection import (Target, candidate_sets, choose_removal, choose_removals, head_pairs, parse_heads, parse_protect,
+from headtool.surgery.selection import (Target, candidate_sets, choose_removal, choose_removals, resolve_unit, head_pairs, parse_heads, parse_protect,
     removal_steps, select_heads, selection_from_removed)
 
 MHA = [LayerHeads(4, 4, 8)] * 3
@@ -205,3 +205,15 @@ def test_choose_removals_beam_keeps_more_than_the_cheapest_set_and_serves_every_
     big = LayerHeads(16, 4, 8)
     out = choose_removals(big, [4, 8, 12], "query", lambda s: float(sum(s)))
     assert [[big.kv_head_of(h) for h in out[n]].count(k) for n in (4, 8, 12) for k in range(4)] == [1] * 4 + [2] * 4 + [3] * 4
+
+
+def test_unit_auto_is_head_for_a_compensated_global_prune_of_grouped_layers_else_query():
+    gqa, mha, mqa = [LayerHeads(6, 3, 8)] * 2, [LayerHeads(4, 4, 8)] * 2, [LayerHeads(4, 1, 8)] * 2
+    uneven = [LayerHeads(5, 3, 8, group_sizes=(1, 2, 2)), LayerHeads(6, 3, 8)]
+    assert resolve_unit("auto", gqa, compensate=True) == "head"
+    assert resolve_unit("auto", gqa, compensate=True, scope="layer") == "query"
+    assert resolve_unit("auto", gqa) == "query"
+    assert resolve_unit("auto", mha, compensate=True) == resolve_unit("auto", mqa, compensate=True) == "query"
+    assert resolve_unit("auto", uneven) == "head"  # nothing else can prune it
+    for unit in ("query", "group", "head"):
+        assert resolve_unit(unit, gqa, compensate=True) == unit

@@ -74,10 +74,22 @@ def _one_thread(fn: _F) -> _F:
 
 # --------------------------------------------------------------------------- targets
 
+def merges(geo: LayerHeads, n: int) -> bool:
+    """Whether `--kv-heads n` merges this layer: one with n KV heads or fewer (a prune removed whole
+    groups) stays as it is."""
+    return geo.num_kv_heads > n
+
+
+def merged_geometry(geometry: Sequence[LayerHeads], n: int) -> list[LayerHeads]:
+    """Every layer's heads after `--kv-heads n`: n equal groups where it merges, as it was elsewhere."""
+    return [LayerHeads(g.num_heads, n, g.head_dim) if merges(g, n) else g for g in geometry]
+
+
 def valid_kv_targets(geometry: Sequence[LayerHeads]) -> list[int]:
-    """KV-head counts every layer can be merged to: divisors of the query heads below the KV heads."""
-    lo = min(g.num_kv_heads for g in geometry)
-    return [n for n in range(1, lo) if all(g.num_heads % n == 0 for g in geometry)]
+    """KV-head counts the model can be merged to: below the most KV heads a layer has, and dividing
+    the query heads of every layer that it merges."""
+    hi = max(g.num_kv_heads for g in geometry)
+    return [n for n in range(1, hi) if all(g.num_heads % n == 0 for g in geometry if merges(g, n))]
 
 
 def check_target(adapter: Adapter, geometry: Sequence[LayerHeads], n: int) -> None:
@@ -88,11 +100,11 @@ def check_target(adapter: Adapter, geometry: Sequence[LayerHeads], n: int) -> No
                          f"use prune instead")
     valid = valid_kv_targets(geometry)
     if n not in valid:
-        hs = sorted({g.num_heads for g in geometry})
+        hs = sorted({g.num_heads for g in geometry if merges(g, n)} or {g.num_heads for g in geometry})
         ks = sorted({g.num_kv_heads for g in geometry})
-        raise UsageError(f"--kv-heads {n}: must divide the query heads ({'/'.join(map(str, hs))}) and be below "
-                         f"the current KV heads ({'/'.join(map(str, ks))}); valid values: "
-                         f"{', '.join(map(str, valid)) if valid else 'none (already one KV head)'}")
+        raise UsageError(f"--kv-heads {n}: must be below the most KV heads a layer has ({'/'.join(map(str, ks))}) "
+                         f"and divide the query heads of every layer it merges ({'/'.join(map(str, hs))}); "
+                         f"valid values: {', '.join(map(str, valid)) if valid else 'none (already one KV head)'}")
 
 
 # --------------------------------------------------------------------------- blocks
@@ -468,6 +480,7 @@ class LayerPlan:
     groups: list[tuple[int, ...]]
     new_geo: LayerHeads
     order: list[int] = field(default_factory=list)  # original query head of each new position
+    merged: bool = True  # False: the layer had the target's KV heads or fewer and stays as it is
 
 
 def plan_layers(model, adapter: Adapter, n: int, grouping: str, method: str,
@@ -481,6 +494,10 @@ def plan_layers(model, adapter: Adapter, n: int, grouping: str, method: str,
     state = model.state_dict()
     plans = []
     for i, geo in enumerate(geometry):
+        if not merges(geo, n):  # already n KV heads or fewer: stays as it is
+            plans.append(LayerPlan([tuple(geo.query_heads_of(k)) for k in range(geo.num_kv_heads)], geo,
+                                   list(range(geo.num_heads)), merged=False))
+            continue
         if grouping == "contiguous":
             groups = contiguous_groups(geo, n)
         else:
@@ -556,6 +573,8 @@ def convert_in_place(model, adapter: Adapter, plans: Sequence[LayerPlan], method
     """Merge every layer of `model` per `plans`, in place (through headtool.model.resize)."""
     state = {k: v for k, v in model.state_dict().items()}
     for i, plan in enumerate(plans):
+        if not plan.merged:
+            continue
         tensors = converted_layer_tensors(model, adapter, i, plan, method,
                                           None if grams is None else grams[i], state)
         resize_attention(model, adapter, i, plan.new_geo, tensors)  # also updates model.config

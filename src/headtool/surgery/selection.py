@@ -158,6 +158,22 @@ def check_unit(unit: str, geometry: Sequence[LayerHeads]) -> None:
                          f"prune it again with --unit head, not --unit {unit}")
 
 
+def resolve_unit(unit: str, geometry: Sequence[LayerHeads], compensate: bool = False, scope: str = "global") -> str:
+    """--unit auto as a unit: `head` on a model whose KV groups already differ (nothing else can prune
+    it) and, where some layer has several KV groups of several heads, for a compensated prune over all
+    layers (at the refit's defaults, obs allocation, --anchor-power 3, --damping 0.001, better than
+    `query` on SmolLM2 on every unseen set in every calibration sample; at the older one-anchor refit
+    it was not: README "Heads removed in whole GQA steps or one at a time"); `query` otherwise:
+    without a refit (not measured), and with --scope layer, whose point is layers alike (a stock
+    config)."""
+    if unit != "auto":
+        return unit
+    if any(g.uneven for g in geometry):
+        return "head"
+    grouped = any(1 < g.num_kv_heads < g.num_heads for g in geometry)
+    return "head" if grouped and compensate and scope == "global" else "query"
+
+
 def check_min_heads(min_heads: int, geometry: Sequence[LayerHeads]) -> None:
     if min_heads < 1:
         raise UsageError(f"--min-heads-per-layer must be at least 1 (got {min_heads})")

@@ -26,9 +26,9 @@ from ..model.config import load_config, refuse_quantized
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.refs import resolve_ref
 from ..model.resize import resize_attention
-from .merging import check_target, contiguous_groups, mean_layer_tensors
+from .merging import check_target, contiguous_groups, mean_layer_tensors, merged_geometry, merges
 from .selection import check_target as check_selection_target
-from .selection import Target, parse_heads, select_heads, selection_from_removed
+from .selection import Target, parse_heads, resolve_unit, select_heads, selection_from_removed
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -211,10 +211,12 @@ def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: 
     """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
     geometry = ck.geometry
     check_target(ck.adapter, geometry, n_kv)
-    new_geometry = [LayerHeads(g.num_heads, n_kv, g.head_dim) for g in geometry]
+    new_geometry = merged_geometry(geometry, n_kv)
 
     def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         geo = geometry[i]
+        if not merges(geo, n_kv):
+            return {}  # already n_kv KV heads or fewer: its tensors are copied as they are
         return mean_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geo, contiguous_groups(geo, n_kv),
                                   new_geometry[i])
 
@@ -223,20 +225,22 @@ def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: 
 
 
 def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None,
-                               target_for: Callable[[int], Target] | None, min_heads: int, overwrite: bool,
+                               target_for: Callable[[list[LayerHeads]], Target] | None, min_heads: int,
+                               overwrite: bool,
                                shard_size: str | int, trust_remote_code: bool = False, unit: str = "query") -> dict:
     """`prune --streaming`: heads from a score document or a list, removed shard by shard.
-    `target_for(num_layers)` builds the target once the checkpoint's layer count is known (it
-    resolves `--protect-layers auto`); None with explicit `heads`."""
+    `target_for(geometry)` builds the target once the checkpoint's layers are known (it resolves
+    `--protect-layers auto` and `--unit auto`); None with explicit `heads`."""
     ck = open_checkpoint(ref, trust_remote_code)
     check_output_target(out, ck.path, overwrite)
     geometry = ck.geometry
     target = None
     if heads is not None:
+        unit = resolve_unit(unit, geometry)  # nothing is refit here: auto is `query` unless groups differ already
         selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads, unit)
         score_info = None
     else:
-        target = target_for(len(geometry))
+        target = target_for(geometry)
         check_selection_target(target, geometry)
         doc = read_scores(scores, ck)
         selection = select_heads(doc["scores"], geometry, target)

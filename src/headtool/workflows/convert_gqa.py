@@ -24,6 +24,7 @@ from ..surgery.merging import (
     METHODS,
     check_target,
     convert_model,
+    merged_geometry,
     summary_figures,
 )
 from ..surgery.streaming import open_checkpoint, stream_convert_mean
@@ -100,7 +101,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
         ck = open_checkpoint(req.model, req.load.trust_remote_code)
         check_target(ck.adapter, ck.geometry, req.kv_heads)
         meta = {"operation": "convert-gqa", "method": "mean", "streaming": True,
-                "num_kv_heads": [req.kv_heads] * len(ck.geometry),
+                "num_kv_heads": [g.num_kv_heads for g in merged_geometry(ck.geometry, req.kv_heads)],
                 "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods}}
         written = stream_convert_mean(ck, req.kv_heads, req.output, meta=meta, overwrite=req.overwrite,
                                       shard_size=req.shard_size)

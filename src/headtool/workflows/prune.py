@@ -21,6 +21,7 @@ from ..measure.scoring import DATA_METHODS, ScoreResult, carries_probe, normaliz
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
 from ..model.placement import require_resident_weights, sequential_placement
+from ..arch import LayerHeads
 from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, normalization_label, prune, trial_copy
 from ..surgery.selection import (
     Selection,
@@ -28,6 +29,7 @@ from ..surgery.selection import (
     check_target,
     parse_heads,
     parse_protect,
+    resolve_unit,
     select_heads,
     selection_from_removed,
 )
@@ -77,7 +79,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
         if req.normalize != "auto":
             raise UsageError("--streaming takes the scores as they were scored: leave out --normalize (or score "
                              "with `headtool score --normalize`)")
-        target_for = None if req.heads is not None else lambda num_layers: prune_target(req, num_layers)
+        target_for = None if req.heads is not None else lambda geometry: prune_target(req, geometry)
         written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
                                              target_for=target_for, min_heads=req.min_heads_per_layer,
                                              overwrite=req.overwrite, shard_size=req.shard_size,
@@ -151,6 +153,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     a recipe passes the original)."""
     tm = text_model or lm
     geometry = lm.geometry
+    req = replace(req, unit=resolve_unit(req.unit, geometry, req.compensate, req.scope))
     spec = with_default_blocks(req.data, req.default_blocks)
     if spec is not None and is_auto(spec.source) and not _reads_data(req, scores):
         spec = None  # the default data, and nothing in this prune reads it
@@ -159,7 +162,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
         selection = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer,
                                            req.unit)
     else:
-        target = prune_target(req, len(geometry))
+        target = prune_target(req, geometry)
         check_target(target, geometry)
     needs_tokens = spec is not None or req.eval_data is not None
     if needs_tokens and lm.tokenizer is None:
@@ -372,10 +375,12 @@ def _reads_data(req: PruneRequest, scores: ScoreResult | list[list[float]] | Non
     return req.compensate or (scoring_now and req.method in DATA_METHODS)
 
 
-def prune_target(req: PruneRequest, num_layers: int | None = None) -> Target:
-    """The target of req (`num_layers`, when known, resolves --protect-layers auto)."""
+def prune_target(req: PruneRequest, geometry: Sequence[LayerHeads] | None = None) -> Target:
+    """The target of req; `geometry`, when known, resolves --protect-layers auto and --unit auto."""
+    num_layers = None if geometry is None else len(geometry)
+    unit = req.unit if geometry is None else resolve_unit(req.unit, geometry, req.compensate, req.scope)
     return Target(fraction=req.fraction, num_heads=req.num_heads, threshold=req.threshold, scope=req.scope,
-                  min_heads_per_layer=req.min_heads_per_layer, unit=req.unit,
+                  min_heads_per_layer=req.min_heads_per_layer, unit=unit,
                   protect=parse_protect(req.protect_layers, req.scope, num_layers))
 
 

@@ -34,6 +34,7 @@ from ..model.placement import (
 )
 from ..optionspec import options_of
 from ..surgery.merging import check_target as check_kv
+from ..surgery.merging import merged_geometry
 from ..surgery.selection import check_target
 from .convert_gqa import convert_loaded
 from .convert_mla import convert_mla_loaded, latent_target
@@ -119,10 +120,10 @@ def check_geometry(ctx: Context) -> None:
                 latent = True  # (pruned KV heads are known only when prune runs: its check then)
                 latent_target(ctx.lm, build_request(ctx.recipe, step), geometry)
             if step["step"] == "prune" and step.get("heads") is None:
-                check_target(prune_target(build_request(ctx.recipe, step), len(geometry)), geometry)
+                check_target(prune_target(build_request(ctx.recipe, step), geometry), geometry)
             if step["step"] == "convert_gqa":
                 check_kv(ctx.lm.adapter, geometry, int(step["kv_heads"]))
-                geometry = [dataclasses.replace(g, num_kv_heads=int(step["kv_heads"])) for g in geometry]
+                geometry = merged_geometry(geometry, int(step["kv_heads"]))
         except UsageError as e:
             problems.append(f"{where}: {e}")
     raise_problems(ctx.recipe, problems)

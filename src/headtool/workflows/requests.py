@@ -26,7 +26,7 @@ EVAL_OBJECTIVES = ("auto", "lm", "mlm", "classification")
 NORMALIZE = ("auto", "layer", "geometric", "none")
 MERGE_METHODS = ("mean", "aligned", "fit")
 GROUPINGS = ("contiguous", "similarity")
-PRUNE_UNITS = ("query", "group", "head")
+PRUNE_UNITS = ("auto", "query", "group", "head")
 RANK_ALLOCATIONS = ("uniform", "auto")
 
 #: blocks of --data a calibration uses when neither --max-samples nor --num-tokens is given
@@ -198,9 +198,11 @@ class PruneRequest:
     scope: str = option("global", "global (rank all heads together) | layer (same number from every layer)",
                         choices=("global", "layer"), panel=_T)
     min_heads_per_layer: int = option(1, "query heads every layer keeps at least", min=1, panel=_T)
-    unit: str = option("query", "GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV "
+    unit: str = option("auto", "GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV "
                        "groups) | head (any single query head: the KV groups may end up different in size, "
-                       "which only headtool's remote code expresses)", choices=PRUNE_UNITS, panel=_T)
+                       "which only headtool's remote code expresses) | auto: head with --compensate and --scope "
+                       "global (at the refit's defaults better than query on every unseen text measured), and "
+                       "on a model whose groups already differ; query otherwise", choices=PRUNE_UNITS, panel=_T)
     protect_layers: str = option("auto", "layers that lose no heads when heads are chosen from scores: "
                                  "layer indices, comma-separated (negative from the end), none, or auto: the first "
                                  "layer with --scope global (removing its heads cost far more than their "
