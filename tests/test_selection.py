@@ -201,6 +201,10 @@ def test_choose_removals_beam_keeps_more_than_the_cheapest_set_and_serves_every_
     triple = lambda s: (-1.0 if set(s) == {6, 7, 8} else 1.0) + 0.1 * sum(s)  # noqa: E731
     assert choose_removal(geo, 3, "head", triple) == [6, 7, 8]
     assert choose_removals(geo, range(1, 9), "head", triple)[3] != [6, 7, 8]
+    # more than BEAM_MAX_HEADS query heads: one set a round (greedy) misses the redundant pair
+    wide = LayerHeads(20, 4, 8)
+    single.update({h: 6.0 + h for h in range(9, 20)})
+    assert choose_removals(wide, [2], "head", cost)[2] == [0, 1]
     # the beam obeys the unit rules (one head from every group a step)
     big = LayerHeads(16, 4, 8)
     out = choose_removals(big, [4, 8, 12], "query", lambda s: float(sum(s)))
@@ -217,3 +221,5 @@ def test_unit_auto_is_head_for_a_compensated_global_prune_of_grouped_layers_else
     assert resolve_unit("auto", uneven) == "head"  # nothing else can prune it
     for unit in ("query", "group", "head"):
         assert resolve_unit(unit, gqa, compensate=True) == unit
+    wide = [LayerHeads(32, 8, 8)] * 2  # single-head search there costs several times query's
+    assert resolve_unit("auto", wide, compensate=True) == "query" and resolve_unit("head", wide) == "head"

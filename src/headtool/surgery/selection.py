@@ -27,6 +27,9 @@ UNITS = ("query", "group", "head")
 # than the beam), else a beam search keeping this many sets a round (see choose_removals)
 EXHAUSTIVE_LIMIT = 4096
 BEAM_WIDTH = 8
+# layers with more query heads search one set a round (greedy): a beam of 8 over a 32-head layer's
+# single heads took 7x query's time (synthetic 32 x 64-dim heads, every count), and the sets grow
+BEAM_MAX_HEADS = 16
 
 
 @dataclass(frozen=True)
@@ -164,14 +167,16 @@ def resolve_unit(unit: str, geometry: Sequence[LayerHeads], compensate: bool = F
     layers (at the refit's defaults, obs allocation, --anchor-power 3, --damping 0.001, better than
     `query` on SmolLM2 on every unseen set in every calibration sample; at the older one-anchor refit
     it was not: README "Heads removed in whole GQA steps or one at a time"); `query` otherwise:
-    without a refit (not measured), and with --scope layer, whose point is layers alike (a stock
-    config)."""
+    without a refit (not measured), with --scope layer, whose point is layers alike (a stock
+    config), and on layers of more than BEAM_MAX_HEADS query heads, where choosing single heads
+    costs several times what query does (and was not measured for quality)."""
     if unit != "auto":
         return unit
     if any(g.uneven for g in geometry):
         return "head"
     grouped = any(1 < g.num_kv_heads < g.num_heads for g in geometry)
-    return "head" if grouped and compensate and scope == "global" else "query"
+    searchable = all(g.num_heads <= BEAM_MAX_HEADS for g in geometry)
+    return "head" if grouped and searchable and compensate and scope == "global" else "query"
 
 
 def check_min_heads(min_heads: int, geometry: Sequence[LayerHeads]) -> None:
@@ -452,16 +457,19 @@ def choose_removals(geo: LayerHeads, counts: Sequence[int], unit: str,
     layers (9 query heads, --unit head, the costs of `prune --normalize obs` for every count 1-8, two
     calibrations: 32 blocks of builtin:pydoc, 64 of builtin:pydoc+self) a beam of 8 found the
     exhaustive optimum in all 464 layer-counts at a third of its time; 5 missed 3 of them (by 2-8% of
-    the layer's cost), one set a round (greedy) 7 of 232, by up to 36%.
+    the layer's cost), one set a round (greedy) 7 of 232, by up to 36%. Layers of more than
+    BEAM_MAX_HEADS query heads keep one set a round (greedy, as before the beam): there the beam's
+    cost grows past what it is worth measuring here.
     """
     wanted = sorted({n for n in counts if n})
     out: dict[int, list[int]] = {0: []} if 0 in counts else {}
     if not wanted:
         return out
     rounds = _rounds(geo, wanted[-1], unit)
+    width = BEAM_WIDTH if geo.num_heads <= BEAM_MAX_HEADS else 1
     exhaustive = [candidate_sets(geo, n, unit) for n in wanted]
     if all(sets is not None for sets in exhaustive) and \
-            sum(map(len, exhaustive)) <= _beam_evaluations(rounds, BEAM_WIDTH):
+            sum(map(len, exhaustive)) <= _beam_evaluations(rounds, width):
         for n, sets in zip(wanted, exhaustive):
             out[n] = min(sets, key=lambda s: (cost(s), s))
         return out
@@ -475,7 +483,7 @@ def choose_removals(geo: LayerHeads, counts: Sequence[int], unit: str,
                 key = tuple(sorted(removed + u))
                 if key not in tried:
                     tried[key] = cost(list(key))
-        frontier = sorted(((c, list(k)) for k, c in tried.items()))[:BEAM_WIDTH]
+        frontier = sorted(((c, list(k)) for k, c in tried.items()))[:width]
         n = len(frontier[0][1])
         if n in wanted:
             out[n] = frontier[0][1]
