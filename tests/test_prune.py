@@ -219,7 +219,7 @@ def test_scores_from_a_pipe_with_eval_compensation_and_shards(llama_src, tmp_pat
     assert res["heads_removed"] == 6 and res["eval"]["before"]["loss"] > 0
     assert [c["layer"] for c in res["compensation"]] == [i for i, k in enumerate(res["kept_heads"]) if len(k) < 4]
     assert res["options"]["target"]["unit"] == "head"  # --unit auto with --compensate
-    assert "single query heads removed (--unit auto with --compensate)" in r.stderr
+    assert "single query heads removed (--unit auto)" in r.stderr and "--unit query keeps" in r.stderr
     assert res["eval_data"]["skip_samples"] == 4  # evaluation blocks never used for calibration
     assert (out / "model.safetensors.index.json").exists()
     assert "query heads" in r.stderr and "KV cache per token" in r.stderr

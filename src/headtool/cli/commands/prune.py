@@ -37,8 +37,9 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
     _render(err_console(), req.model, run.result, run.config_kind, run.eval_info, run.written, req.dry_run,
             protected)
     if req.unit == "auto" and run.target is not None and run.target.unit == "head":
-        info("single query heads removed (--unit auto with --compensate): a layer's KV groups may differ in size; "
-             "--unit query keeps them equal")
+        was_uneven = any(g.uneven for g in run.result.geometry_before)
+        info("single query heads removed (--unit auto): a layer's KV groups may differ in size"
+             + ("" if was_uneven else "; --unit query keeps them equal"))
     if json_out:
         print_json(run.report)
     elif run.written:
