@@ -331,7 +331,7 @@ def kv_groups_section(doc: dict) -> str:
     st = doc["settings"]
     return "\n".join([
         "### Heads removed in whole GQA steps or one at a time (`--unit query` or `head`): SmolLM2-135M, no training"
-        + ("" if st.get("eval", 16) == 16 else f", {st['eval']} evaluation blocks a set"),
+        + ("" if st.get("eval", 16) == 16 else f", {st['cal']} calibration blocks, {st['eval']} evaluation blocks a set"),
         "",
         "On a grouped-query layer `prune --unit query` (the default until 2026-12-07; `auto` since, which is `head` "
         "for a compensated prune over all layers, from these measurements) removes one query head from every KV "
