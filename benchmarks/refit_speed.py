@@ -10,10 +10,13 @@ In one run on one model (default SmolLM2-135M, float32, CPU), on the same N cali
 - `merge aligned`: `convert_model(method="aligned")` (no refit, the convert-gqa default);
 - `prune --compensate`: `prune(compensate=True)` of --fraction of the query heads (chosen from
   gradient scores computed beforehand, not timed in the step), heads chosen inside layers by
-  the refit cost (the default), held-out blocks as for the merge;
+  the refit cost (the default), held-out blocks as for the merge; per --unit (a comma list; `auto`
+  is what prune's `--unit auto` takes for a compensated prune of this model: `head` on SmolLM2);
 - `allocation obs`: the split of those heads over the layers that `--normalize obs` (prune's
   default with `--compensate`) makes before the refit: one forward and backward pass for the
   statistics, then each layer's refit error per count (`obs_selection`, anchor 1 as prune's default);
+  per --unit, and once more with every removal set costed from scratch (a Cholesky of the set's
+  block each, as before the beam grew its sets' factors), which must choose the same heads;
 - `score + obs`: what `headtool prune --compensate` runs before its refit when it scores on --data:
   gradient scores and the obs split on the same blocks, once as two passes (scoring, then the
   allocation's own forward and backward pass) and once as the CLI now runs them (the allocation's
@@ -27,7 +30,7 @@ The convert-gqa steps are reported with and without the shared `grams` pass; eac
 seconds / forward seconds. The load average is recorded: on a shared machine it explains a lot.
 
     python benchmarks/refit_speed.py --blocks 16 [--heldout 4 --seq-len 128 --batch-size 8]
-        [--anchor default|0|grid|0,1,inf] [--steps fit,aligned,compensate] [--threads 1]
+        [--anchor default|0|grid|0,1,inf] [--steps fit,aligned,compensate] [--unit auto,query] [--threads 1]
 
 writes benchmarks/results/refit_speed.json and prints a table. results/refit_speed_before.json is
 the same run (--blocks 16) on the code before the anchored refit and the speed work (main at
@@ -57,9 +60,10 @@ from headtool.measure.calibration import attention_input_grams
 from headtool.measure.scoring import score_heads
 from headtool.model.loading import load_model, model_from_object
 from headtool.surgery import merging
+from headtool.surgery import obs_allocation
 from headtool.surgery.obs_allocation import SensitivityProbe, obs_selection
 from headtool.surgery.pruning import prune
-from headtool.surgery.selection import Target, select_heads
+from headtool.surgery.selection import Target, resolve_unit, select_heads
 from headtool.workflows.requests import DEFAULT_PRUNE_DAMPING
 
 RESULTS = Path(__file__).parent / "results" / "refit_speed.json"
@@ -80,6 +84,24 @@ def _anchor_kwargs(text: str) -> dict:
         from headtool.surgery.compensation import ANCHOR_GRID
         return {"anchor": ANCHOR_GRID}
     return {"anchor": [float(a) for a in text.split(",")] if "," in text else float(text)}
+
+
+def _from_scratch_costs():
+    """obs_allocation with every removal set costed anew: its removal costs seen as plain functions,
+    so the beam cannot grow a set's factor (`selection._FromScratch`); the original restored after."""
+    original = obs_allocation.removal_cost
+
+    def plain(*args, **kwargs):
+        cost = original(*args, **kwargs)
+        return lambda heads: cost(heads)
+
+    class Patch:
+        def __enter__(self):
+            obs_allocation.removal_cost = plain
+
+        def __exit__(self, *exc):
+            obs_allocation.removal_cost = original
+    return Patch()
 
 
 def _score_and_obs(lm, batches, target: Target) -> list[dict]:
@@ -111,6 +133,8 @@ def main() -> None:
                     help="default (the library's: chosen from the grid on the held-out blocks), a strength, "
                          "a comma list, or grid")
     ap.add_argument("--steps", default=",".join(STEPS))
+    ap.add_argument("--unit", default="auto", help="prune's --unit for the compensate and obs steps, a comma list "
+                    "(auto: as prune --compensate resolves it for this model)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
@@ -153,23 +177,30 @@ def main() -> None:
                          "with_grams_s": s + grams_s,
                          "refit_layers_kept": None if conv.refit is None else sum(r["kept"] for r in conv.refit)})
             del conv
+    units = list(dict.fromkeys(resolve_unit(u, lm.geometry, compensate=True) for u in a.unit.split(",") if u))
     if {"compensate", "obs"} & set(steps):
         scores = score_heads(lm.model, lm.adapter, cal.batches, method="gradient", objective="lm").scores
-        sel = select_heads(scores, lm.geometry, Target(fraction=a.fraction))
-    if "compensate" in steps:
-        model = copy.deepcopy(lm.model)
-        res, s = _timed(lambda: prune(model_from_object(model, lm.tokenizer), sel, calib_batches=cal.batches,
-                                      heldout_batches=held_batches, compensate=True, **kw))
-        rows.append({"step": f"prune {a.fraction:g} --compensate", "seconds": s,
-                     "refit_layers_kept": sum(r["kept"] for r in res.compensation)})
-        del model
-    if "obs" in steps:
-        target = Target(fraction=a.fraction)
-        obs, s = _timed(lambda: obs_selection(lm.model, lm.adapter, lm.geometry, scores, target,
-                                              sel.num_removed(lm.geometry), cal.batches, "lm",
-                                              damping=DEFAULT_PRUNE_DAMPING, anchor=1.0))
-        rows.append({"step": "allocation obs", "seconds": s, "removed_per_layer": [
-            len(r) for r in obs.selection.removed(lm.geometry)]})
+    for unit in units:
+        target = Target(fraction=a.fraction, unit=unit)
+        sel = select_heads(scores, lm.geometry, target) if {"compensate", "obs"} & set(steps) else None
+        if "compensate" in steps:
+            model = copy.deepcopy(lm.model)
+            res, s = _timed(lambda: prune(model_from_object(model, lm.tokenizer), sel, calib_batches=cal.batches,
+                                          heldout_batches=held_batches, compensate=True, unit=unit, **kw))
+            rows.append({"step": f"prune {a.fraction:g} --compensate --unit {unit}", "seconds": s, "unit": unit,
+                         "refit_layers_kept": sum(r["kept"] for r in res.compensation)})
+            del model
+        if "obs" in steps:
+            def allocate():
+                return obs_selection(lm.model, lm.adapter, lm.geometry, scores, target, sel.num_removed(lm.geometry),
+                                     cal.batches, "lm", damping=DEFAULT_PRUNE_DAMPING, anchor=1.0)
+            obs, s = _timed(allocate)
+            rows.append({"step": f"allocation obs --unit {unit}", "seconds": s, "unit": unit,
+                         "removed_per_layer": [len(r) for r in obs.selection.removed(lm.geometry)]})
+            with _from_scratch_costs():
+                anew, s = _timed(allocate)
+            rows.append({"step": f"allocation obs --unit {unit}, sets costed anew", "seconds": s, "unit": unit,
+                         "same_selection": anew.selection.kept == obs.selection.kept})
     if "score+obs" in steps:
         rows += _score_and_obs(lm, cal.batches, Target(fraction=a.fraction))
     if "selfgen" in steps:
@@ -195,10 +226,10 @@ def main() -> None:
     a.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{a.model}: {a.blocks} blocks of {a.seq_len} tokens ({tokens} tokens), {n_held} held out, "
           f"{torch.get_num_threads()} threads, load {load['start']:.1f} -> {load['end']:.1f}")
-    print(f"{'step':<28} {'seconds':>9} {'x forward':>10} {'+ grams':>9}")
+    print(f"{'step':<52} {'seconds':>9} {'x forward':>10} {'+ grams':>9}")
     for r in rows:
         extra = f"{r['with_grams_x_forward']:>9.1f}" if "with_grams_x_forward" in r else ""
-        print(f"{r['step']:<28} {r['seconds']:>9.1f} {r['x_forward']:>10.1f} {extra}")
+        print(f"{r['step']:<52} {r['seconds']:>9.1f} {r['x_forward']:>10.1f} {extra}")
     print(f"wrote {a.out}")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import math
@@ -18,7 +19,9 @@ from headtool.surgery.compensation import (
     ANCHOR_GRID,
     DEFAULT_ANCHOR,
     LayerStats,
+    RemovalCost,
     _damped,
+    _ObsCost,
     choose_anchor,
     o_columns,
     o_proj_matrix,
@@ -33,7 +36,8 @@ from headtool.surgery.compensation import (
 from headtool.surgery.merging import convert_model
 from headtool.surgery.prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 from headtool.surgery.pruning import markdown_table, prune, prune_layer
-from headtool.surgery.selection import Selection
+from headtool.arch import LayerHeads
+from headtool.surgery.selection import Selection, candidate_sets, choose_removals
 from headtool.workflows.requests import PruneRequest
 
 
@@ -61,6 +65,65 @@ def test_obs_cost_is_the_error_left_after_refitting_without_the_columns():
     refit = torch.linalg.lstsq(x[:, keep], x @ w.T).solution
     left = float(((x[:, keep] @ refit - x @ w.T) ** 2).sum())
     assert obs_cost(w, torch.linalg.inv(st.G), s) == pytest.approx(left, rel=1e-8)
+
+
+@functools.lru_cache(maxsize=1)
+def _llama_adapter():
+    return adapter_for(tiny_model("llama").config)
+
+
+def _random_layer(seed: int, heads: int, dims: int, out: int = 6):
+    """The statistics and weights of a random output projection of `heads` x `dims` inputs."""
+    g = torch.Generator().manual_seed(seed)
+    n = heads * dims
+    x = torch.randn(4 * n, n, generator=g, dtype=torch.float64) @ torch.randn(n, n, generator=g, dtype=torch.float64)
+    w0 = torch.randn(out, n, generator=g, dtype=torch.float64)
+    y = x @ (w0 + 0.3 * torch.randn(out, n, generator=g, dtype=torch.float64)).T
+    return _stats(x, y), w0
+
+
+@pytest.mark.parametrize("anchor", [0.0, 0.7])
+def test_the_incremental_removal_cost_grows_a_set_to_the_cost_computed_from_scratch(anchor):
+    stats, w0 = _random_layer(3, heads=6, dims=3)
+    geo = LayerHeads(6, 2, 3)
+    cost = removal_cost(stats, 1e-3, _llama_adapter(), geo, anchor=anchor, w0=w0)
+    assert isinstance(cost, RemovalCost)
+    state, grown = cost.start(), []
+    for unit in ([4], [0, 2], [5]):  # units of different sizes, grown in no particular order
+        options = [[h] for h in range(6) if h not in grown + unit]
+        assert cost.extensions(state, options) == pytest.approx([cost(sorted(grown + o)) for o in options], rel=1e-9)
+        state, grown = cost.extend(state, unit), grown + unit
+        assert cost.extensions(state, [[1]]) == pytest.approx([cost(sorted(grown + [1]))], rel=1e-9)
+
+
+def test_the_incremental_obs_cost_falls_back_where_a_block_is_not_definite():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(20, 6, generator=g, dtype=torch.float64)
+    g_inv = x.T @ x / 20
+    g_inv[3, 3] = -0.5  # every set holding column 3 has a block that is not definite
+    obs = _ObsCost(w, g_inv)
+    blocks = [[c] for c in range(6)]
+    state = obs.empty()
+    for c in (0, 3, 5):
+        values = obs.extension_values(state, [b for b in blocks if b[0] not in state.columns])
+        want = [obs_cost(w, g_inv, state.columns + b) for b in blocks if b[0] not in state.columns]
+        assert values == pytest.approx(want, rel=1e-8)
+        state = obs.extended(state, [c])
+        assert state.value == pytest.approx(obs_cost(w, g_inv, state.columns), rel=1e-8)
+    assert not state.exact  # costed from scratch since column 3 joined
+
+
+@pytest.mark.parametrize("unit,geo,counts", [("head", LayerHeads(9, 3, 2), range(9)),
+                                              ("query", LayerHeads(16, 4, 2), [0, 4, 8, 12]),
+                                              ("group", LayerHeads(16, 8, 2), range(0, 16, 2))])
+def test_the_beam_chooses_the_same_sets_growing_factors_as_costing_every_set_anew(unit, geo, counts):
+    stats, w0 = _random_layer(7, heads=geo.num_heads, dims=2)
+    cost = removal_cost(stats, 1e-3, _llama_adapter(), geo, anchor=0.5, w0=w0)
+    calls: list = []
+    scratch = choose_removals(geo, counts, unit, lambda s: calls.append(s) or cost(s))
+    assert choose_removals(geo, counts, unit, cost) == scratch
+    assert len(calls) < sum(len(candidate_sets(geo, n, unit)) for n in counts)  # a beam, not every set
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

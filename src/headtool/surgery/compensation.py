@@ -140,11 +140,29 @@ def obs_cost(w: torch.Tensor, g_inv: torch.Tensor, columns: Sequence[int]) -> fl
     return float((ws * torch.linalg.solve(g_inv[s][:, s], ws.T).T).sum())
 
 
+@dataclass
+class ObsFactor:
+    """A removal set's columns S with what extending S needs: the Cholesky factor L of (G⁻¹)_SS, Z = L⁻¹W_Sᵀ
+    and the cost ||Z||² (= obs_cost). `chol` None: S is empty, or its factorization failed (`exact`
+    False), and every set grown from it is costed from scratch."""
+
+    columns: list[int]
+    chol: torch.Tensor | None
+    z: torch.Tensor | None
+    value: float
+    exact: bool = True
+
+
 class _ObsCost:
     """obs_cost for many column sets of one layer: tr(((G⁻¹)_SS)⁻¹ (WᵀW)_SS), one Cholesky a set.
 
     The same number as obs_cost up to rounding, at a fraction of the work: the set's block of
     WᵀW is precomputed for the whole layer once instead of solving for every output row.
+
+    A search that grows sets one unit at a time (choose_removals' beam) extends a set's factor
+    instead (`extension_values`, `extended`): with L, Z of S and a block c of new columns,
+    X = L⁻¹(G⁻¹)_Sc, the Schur complement (G⁻¹)_cc - XᵀX = L_c L_cᵀ and Z_c = L_c⁻¹(W_cᵀ - XᵀZ) give
+    cost(S ∪ c) = cost(S) + ||Z_c||², every candidate block of a round in one batched solve.
     """
 
     def __init__(self, w: torch.Tensor, g_inv: torch.Tensor):
@@ -160,6 +178,92 @@ class _ObsCost:
             return obs_cost(self.w, self.g_inv, columns)
         return float((torch.cholesky_inverse(chol) * self.p[s][:, s]).sum())
 
+    def empty(self) -> ObsFactor:
+        return ObsFactor([], None, None, 0.0)
+
+    def _schur(self, f: ObsFactor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For blocks [k, b] of columns: the Schur complements [k, b, b] of S in S ∪ block, the
+        right-hand sides W_cᵀ - XᵀZ [k, b, out] and X [n, k*b] (None for an empty S)."""
+        diag = self.g_inv[blocks[:, :, None], blocks[:, None, :]]
+        rhs = self.w[:, blocks].permute(1, 2, 0)
+        if not f.columns:
+            return diag, rhs, None
+        k, b = blocks.shape
+        s = torch.tensor(f.columns, dtype=torch.long)
+        x = torch.linalg.solve_triangular(f.chol, self.g_inv[s][:, blocks.reshape(-1)], upper=False)
+        xk = x.T.reshape(k, b, -1)
+        return diag - xk @ xk.transpose(1, 2), rhs - xk @ f.z, x
+
+    def extension_values(self, f: ObsFactor, blocks: Sequence[Sequence[int]]) -> list[float]:
+        """cost(S ∪ block) for every block (each of the same number of columns, none in S)."""
+        if not blocks:
+            return []
+        if not f.exact or len({len(b) for b in blocks}) > 1:
+            return [self(f.columns + list(b)) for b in blocks]
+        diag, rhs, _ = self._schur(f, torch.tensor([list(b) for b in blocks], dtype=torch.long))
+        chol, info = torch.linalg.cholesky_ex(diag)
+        z = torch.linalg.solve_triangular(chol, rhs, upper=False)
+        out = (f.value + z.pow(2).sum((1, 2))).tolist()
+        for j in info.nonzero().flatten().tolist():  # that set's block is not numerically definite
+            out[j] = self(f.columns + list(blocks[j]))
+        return out
+
+    def extended(self, f: ObsFactor, block: Sequence[int]) -> ObsFactor:
+        """The factor of S ∪ block."""
+        columns = f.columns + list(block)
+        if not f.exact:
+            return ObsFactor(columns, None, None, self(columns), exact=False)
+        diag, rhs, x = self._schur(f, torch.tensor([list(block)], dtype=torch.long))
+        lc, info = torch.linalg.cholesky_ex(diag[0])
+        if int(info):
+            return ObsFactor(columns, None, None, self(columns), exact=False)
+        zc = torch.linalg.solve_triangular(lc, rhs[0], upper=False)
+        n, b = len(f.columns), len(block)
+        chol = lc.new_zeros(n + b, n + b)
+        chol[n:, n:] = lc
+        if n:
+            chol[:n, :n] = f.chol
+            chol[n:, :n] = x.T
+        z = zc if f.z is None else torch.cat([f.z, zc])
+        return ObsFactor(columns, chol, z, f.value + float(zc.pow(2).sum()))
+
+
+class RemovalCost:
+    """cost(query heads) of one layer: base + the obs cost of the heads' columns - mu x their columns'
+    squared weights (the anchored refit's terms, removal_cost). Also incremental, for a search that
+    grows sets one unit at a time (selection.IncrementalCost): a state is a set's ObsFactor and its
+    summed column penalty."""
+
+    def __init__(self, obs: _ObsCost, head_columns: Sequence[Sequence[int]], base: float,
+                 col_norm: torch.Tensor | None = None, mu: float = 0.0):
+        self.obs, self.base, self.mu = obs, base, mu
+        self.head_columns = [list(c) for c in head_columns]
+        self.col_norm = col_norm
+
+    def _columns(self, heads: Sequence[int]) -> list[int]:
+        return [c for h in heads for c in self.head_columns[h]]
+
+    def _penalty(self, cols: Sequence[int]) -> float:
+        return self.mu * float(self.col_norm[list(cols)].sum()) if self.mu and cols else 0.0
+
+    def __call__(self, heads: Sequence[int]) -> float:
+        cols = self._columns(heads)
+        return self.base + self.obs(cols) - self._penalty(cols) if cols else self.base
+
+    def start(self) -> tuple[ObsFactor, float]:
+        return self.obs.empty(), 0.0
+
+    def extensions(self, state: tuple[ObsFactor, float], units: Sequence[Sequence[int]]) -> list[float]:
+        factor, penalty = state
+        blocks = [self._columns(u) for u in units]
+        values = self.obs.extension_values(factor, blocks)
+        return [self.base + v - penalty - self._penalty(b) for v, b in zip(values, blocks)]
+
+    def extend(self, state: tuple[ObsFactor, float], unit: Sequence[int]) -> tuple[ObsFactor, float]:
+        factor, penalty = state
+        block = self._columns(unit)
+        return self.obs.extended(factor, block), penalty + self._penalty(block)
+
 
 def removal_cost(stats: LayerStats, damping: float, adapter: Adapter, geo: LayerHeads,
                  anchor: float = 0.0, w0: torch.Tensor | None = None) -> Callable[[list[int]], float]:
@@ -173,32 +277,25 @@ def removal_cost(stats: LayerStats, damping: float, adapter: Adapter, geo: Layer
     """
     if anchor != 0 and w0 is None:
         raise ValueError("an anchored removal cost needs the layer's weights (w0)")
+    head_columns = [o_columns(adapter, geo, [h]) for h in range(geo.num_heads)]
     if math.isinf(anchor):
         def no_refit(heads: list[int]) -> float:
             w = w0.to(torch.float64).clone()
-            w[:, o_columns(adapter, geo, heads)] = 0.0
+            w[:, [c for h in heads for c in head_columns[h]]] = 0.0
             return squared_error(stats, w)
         return no_refit
     if anchor == 0:
         gd = _damped(stats.G, damping, stats.bias)
         w_star = torch.linalg.solve(gd, stats.C).T
-        g_inv = torch.linalg.inv(gd)
         base = float(stats.yy - (w_star.T * stats.C).sum())  # objective of W* (ridge)
-        cost = _ObsCost(w_star, g_inv)
-        return lambda heads: base + cost(o_columns(adapter, geo, heads))
+        return RemovalCost(_ObsCost(w_star, torch.linalg.inv(gd)), head_columns, base)
     H, B, mu = _anchored(stats, damping, anchor, w0)
     w_star = torch.linalg.solve(H, B).T
     w0 = w0.to(torch.float64)
     # objective of W*: tr(YᵀY) + μ||W0||² - tr(W* B); the removed columns' μ||W0_S||² is no
     # part of the pruned layer's objective (its anchor is W0 without those columns)
     base = float(stats.yy + mu * (w0 * w0).sum() - (w_star.T * B).sum())
-    cost = _ObsCost(w_star, torch.linalg.inv(H))
-    col_norm = (w0 * w0).sum(0)
-
-    def anchored(heads: list[int]) -> float:
-        cols = o_columns(adapter, geo, heads)
-        return base + cost(cols) - mu * float(col_norm[cols].sum()) if cols else base
-    return anchored
+    return RemovalCost(_ObsCost(w_star, torch.linalg.inv(H)), head_columns, base, (w0 * w0).sum(0), mu)
 
 
 # ----------------------------------------------------------------------------- choosing the anchor

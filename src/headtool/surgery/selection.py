@@ -15,7 +15,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ..arch import LayerHeads
 from ..arch.heads import LayerKeep, keep_for_query_heads
@@ -27,8 +27,10 @@ UNITS = ("query", "group", "head")
 # than the beam), else a beam search keeping this many sets a round (see choose_removals)
 EXHAUSTIVE_LIMIT = 4096
 BEAM_WIDTH = 8
-# layers with more query heads search one set a round (greedy): a beam of 8 over a 32-head layer's
-# single heads took 7x query's time (synthetic 32 x 64-dim heads, every count), and the sets grow
+# layers with more query heads search one set a round (greedy): on a synthetic layer of 32 x 64-dim
+# heads (8 KV, every count) a beam of 8 over single heads took 20 s against greedy's 2.6 s, over
+# query steps 5.5 s against 0.7 s (both growing each set's factor; costing every set anew the beam
+# took 196 s / 28.5 s, greedy 21 s / 2.6 s), and whether the beam chooses better there is not measured
 BEAM_MAX_HEADS = 16
 
 
@@ -168,8 +170,8 @@ def resolve_unit(unit: str, geometry: Sequence[LayerHeads], compensate: bool = F
     `query` on SmolLM2 on every unseen set in every calibration sample; at the older one-anchor refit
     it was not: README "Heads removed in whole GQA steps or one at a time"); `query` otherwise:
     without a refit (not measured), with --scope layer, whose point is layers alike (a stock
-    config), and on layers of more than BEAM_MAX_HEADS query heads, where choosing single heads
-    costs several times what query does (and was not measured for quality)."""
+    config), and on layers of more than BEAM_MAX_HEADS query heads, where single heads are chosen
+    greedily (about 4x query's search on a synthetic 32-head layer) and were not measured for quality."""
     if unit != "auto":
         return unit
     if any(g.uneven for g in geometry):
@@ -446,6 +448,40 @@ def _beam_evaluations(rounds: Sequence[Sequence[Sequence[int]]], width: int) -> 
     return total
 
 
+@runtime_checkable
+class IncrementalCost(Protocol):
+    """A removal cost that the beam can grow set by set instead of costing each from scratch
+    (compensation.RemovalCost): `start()` is the empty set's state, `extensions(state, units)` the
+    cost of the state's set plus each unit, `extend(state, unit)` the state of that larger set."""
+
+    def __call__(self, heads: list[int]) -> float: ...
+
+    def start(self) -> Any: ...
+
+    def extensions(self, state: Any, units: Sequence[Sequence[int]]) -> list[float]: ...
+
+    def extend(self, state: Any, unit: Sequence[int]) -> Any: ...
+
+
+class _FromScratch:
+    """A plain cost(heads) seen as an IncrementalCost: the state is the set, every set costed anew."""
+
+    def __init__(self, cost: Callable[[list[int]], float]):
+        self.cost = cost
+
+    def __call__(self, heads: list[int]) -> float:
+        return self.cost(heads)
+
+    def start(self) -> list[int]:
+        return []
+
+    def extensions(self, state: list[int], units: Sequence[Sequence[int]]) -> list[float]:
+        return [self.cost(sorted(state + list(u))) for u in units]
+
+    def extend(self, state: list[int], unit: Sequence[int]) -> list[int]:
+        return state + list(unit)
+
+
 def choose_removals(geo: LayerHeads, counts: Sequence[int], unit: str,
                     cost: Callable[[list[int]], float]) -> dict[int, list[int]]:
     """For every count in `counts`, the removal set of that many query heads (obeying `unit`) with
@@ -459,7 +495,8 @@ def choose_removals(geo: LayerHeads, counts: Sequence[int], unit: str,
     exhaustive optimum in all 464 layer-counts at a third of its time; 5 missed 3 of them (by 2-8% of
     the layer's cost), one set a round (greedy) 7 of 232, by up to 36%. Layers of more than
     BEAM_MAX_HEADS query heads keep one set a round (greedy, as before the beam): there the beam's
-    cost grows past what it is worth measuring here.
+    cost grows past what it is worth measuring here. An IncrementalCost grows each kept set's state by
+    the round's units (one batched step a set) instead of costing every set from scratch.
     """
     wanted = sorted({n for n in counts if n})
     out: dict[int, list[int]] = {0: []} if 0 in counts else {}
@@ -473,17 +510,21 @@ def choose_removals(geo: LayerHeads, counts: Sequence[int], unit: str,
         for n, sets in zip(wanted, exhaustive):
             out[n] = min(sets, key=lambda s: (cost(s), s))
         return out
-    frontier: list[tuple[float, list[int]]] = [(0.0, [])]
+    grow = cost if isinstance(cost, IncrementalCost) else _FromScratch(cost)
+    # the kept sets: (cost, heads, the state they grew from, the unit they added); a kept set's own
+    # state is made only when a next round extends it
+    frontier: list[tuple[float, list[int], Any, list[int] | None]] = [(0.0, [], grow.start(), None)]
     for options in rounds:
-        tried: dict[tuple[int, ...], float] = {}
-        for _, removed in frontier:
-            for u in options:
-                if set(u) & set(removed):
-                    continue
-                key = tuple(sorted(removed + u))
-                if key not in tried:
-                    tried[key] = cost(list(key))
-        frontier = sorted(((c, list(k)) for k, c in tried.items()))[:width]
+        tried: dict[tuple[int, ...], tuple[float, int, list[int]]] = {}
+        states = [parent if added is None else grow.extend(parent, added) for _, _, parent, added in frontier]
+        for p, (_, removed, _, _) in enumerate(frontier):
+            taken = set(removed)
+            fresh = {tuple(sorted(removed + u)): u for u in options if not taken & set(u)}
+            fresh = {k: u for k, u in fresh.items() if k not in tried}
+            for (key, u), c in zip(fresh.items(), grow.extensions(states[p], list(fresh.values()))):
+                tried[key] = (c, p, u)
+        best = sorted(tried.items(), key=lambda kv: (kv[1][0], kv[0]))[:width]
+        frontier = [(c, list(key), states[p], u) for key, (c, p, u) in best]
         n = len(frontier[0][1])
         if n in wanted:
             out[n] = frontier[0][1]
