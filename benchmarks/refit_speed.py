@@ -17,7 +17,8 @@ In one run on one model (default SmolLM2-135M, float32, CPU), on the same N cali
   statistics, then each layer's refit error per count (`obs_selection`, anchor 1 as prune's default);
   per --unit, and once more with every removal set costed from scratch (a Cholesky of the set's
   block each, as before the beam grew its sets' factors), which must choose the same heads;
-- `score + obs`: what `headtool prune --compensate` runs before its refit when it scores on --data:
+- `score + obs`: what `headtool prune --compensate` runs before its refit when it scores on --data
+  (with the first --unit):
   gradient scores and the obs split on the same blocks, once as two passes (scoring, then the
   allocation's own forward and backward pass) and once as the CLI now runs them (the allocation's
   statistics collected by a `SensitivityProbe` riding on the scoring pass); the row records that
@@ -115,8 +116,9 @@ def _score_and_obs(lm, batches, target: Target) -> list[dict]:
                              sensitivity=probe.result() if shared else None).selection
     two, two_s = _timed(lambda: run(False))
     one, one_s = _timed(lambda: run(True))
-    return [{"step": "score + obs, two passes", "seconds": two_s},
-            {"step": "score + obs, one pass (CLI)", "seconds": one_s, "same_selection": one.kept == two.kept}]
+    return [{"step": f"score + obs --unit {target.unit}, two passes", "seconds": two_s, "unit": target.unit},
+            {"step": f"score + obs --unit {target.unit}, one pass (CLI)", "seconds": one_s, "unit": target.unit,
+             "same_selection": one.kept == two.kept}]
 
 
 def main() -> None:
@@ -202,7 +204,7 @@ def main() -> None:
             rows.append({"step": f"allocation obs --unit {unit}, sets costed anew", "seconds": s, "unit": unit,
                          "same_selection": anew.selection.kept == obs.selection.kept})
     if "score+obs" in steps:
-        rows += _score_and_obs(lm, cal.batches, Target(fraction=a.fraction))
+        rows += _score_and_obs(lm, cal.batches, Target(fraction=a.fraction, unit=units[0]))
     if "selfgen" in steps:
         sb, s = _timed(lambda: self_blocks(lm.model, lm.tokenizer, a.blocks, a.seq_len, seed=0, cache=False))
         # whole groups are sampled (selfgen.group_size): the row says how many, beside the count asked for

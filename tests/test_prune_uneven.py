@@ -169,3 +169,33 @@ def test_convert_gqa_merges_uneven_groups_into_equal_ones(twin_kv, tmp_path, kv_
             assert all(torch.equal(after[k], v) for k, v in layer0.items()), name
     remote = load_model(str(outs["mean"]), dtype="float32", device="cpu", trust_remote_code=True)
     assert (logits_of(remote.model, ids) - want).abs().max().item() <= 1e-4
+
+
+def test_streamed_prune_from_scores_takes_single_heads_as_in_memory(src, tmp_path):
+    """prune --streaming --scores with --unit head: the same heads and tensors as the in-memory prune; --unit
+    auto without a refit is query there (one head from every group a step)."""
+    from tiny_models import checkpoint_tensors
+
+    doc_path = tmp_path / "scores.json"
+    r = runner.invoke(app, ["score", str(src), "--data", "builtin:pydoc", "--max-samples", "2", "--seq-len", "16",
+                            "-o", str(doc_path)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(doc_path.read_text())
+    forced = [[0.01, 0.9, 0.8, 0.7], [0.6, 0.9, 0.8, 0.7], [0.6, 0.9, 0.8, 0.02]]  # weakest: 0:0 and 2:3
+    doc["scores"] = doc["raw_scores"] = forced
+    doc_path.write_text(json.dumps(doc))
+    kept = {}
+    for unit in ("head", "auto"):
+        for mode in ("memory", "streamed"):
+            out = tmp_path / f"{unit}-{mode}"
+            r = runner.invoke(app, ["prune", str(src), "--scores", str(doc_path), "--num-heads", "2", "--unit", unit,
+                                    "--protect-layers", "none", "-o", str(out)]
+                              + (["--streaming"] if mode == "streamed" else []))
+            assert r.exit_code == 0, r.output
+            kept[unit, mode] = _written(out)[1]["kept_heads"]
+        a, b = checkpoint_tensors(tmp_path / f"{unit}-memory"), checkpoint_tensors(tmp_path / f"{unit}-streamed")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert kept[unit, "memory"] == kept[unit, "streamed"]
+    assert kept["head", "memory"] == [[1, 2, 3], [0, 1, 2, 3], [0, 1, 2]]
+    # query steps: each layer's weakest head of every group, the step of the lowest mean first (layer 2: 0.31)
+    assert kept["auto", "memory"] == [[0, 1, 2, 3], [0, 1, 2, 3], [1, 2]]
