@@ -404,6 +404,7 @@ def main() -> None:
                         "held": a.held, "eval": a.eval, "seq_len": a.seq_len, "batch_size": a.batch_size,
                         "scores": scores, "ablation_for": ablation_for, "ablation_blocks": a.ablation_blocks,
                         "compensate": compensations, "anchors": anchors, "protect": protects, "normalize": normalizes, "auto_heldout": auto_heldout,
+                        "unit": a.unit,
                         "prune": "prune_loaded (scores from score_loaded on the calibration blocks): with and "
                                  "without --compensate (--choose-in-layer auto, no held-out check unless "
                                  "--heldout-data)",
@@ -603,6 +604,8 @@ def render(doc: dict) -> str:
             change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags(r)}`" if r.get("compensate")
                        else ", no refit")
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
+            if r.get("unit") == "head":  # single query heads (KV groups may differ); rows without it: query steps
+                change += ", `--unit head`"
             if "normalize" in r:  # rows written before prune had --normalize used the scores as scored (layer)
                 chosen = chosen_allocation(r)
                 change += f", `--normalize {r['normalize']}`" + (

@@ -38,11 +38,20 @@ def cross_domain_section(doc: dict) -> str:
         "Calibrated (scores, refits, merges) on one source, evaluated on domains no part of the pipeline "
         "saw: " + "; ".join(f"{d[n].get('label', n)}, {d[n].get('what', '')}" for n in out)
         + ". The in-domain column (pydoc blocks after the calibration ones) is last and flatters: it is "
-        "the kind of text the refits were fitted to. Perplexity (ratio to the unpruned model).",
+        "the kind of text the refits were fitted to. Perplexity (ratio to the unpruned model)." + _unit_note(doc),
         "",
         render(doc),
     ]
     return "\n".join(lines)
+
+
+def _unit_note(doc: dict) -> str:
+    """How a run's prune rows chose heads, where it ran with prune's --unit auto."""
+    if doc["settings"].get("unit") != "auto":
+        return ""
+    return (" Prune rows at prune's default `--unit auto`: single query heads (`--unit head`, a layer's KV "
+            "groups may end up different in size) with `--compensate`, one query head from every KV group a "
+            "step without a refit.")
 
 
 def protect_section(doc: dict) -> str:

@@ -190,7 +190,7 @@ class _ObsCost:
             return diag, rhs, None
         k, b = blocks.shape
         s = torch.tensor(f.columns, dtype=torch.long)
-        x = torch.linalg.solve_triangular(f.chol, self.g_inv[s][:, blocks.reshape(-1)], upper=False)
+        x = torch.linalg.solve_triangular(f.chol, self.g_inv[s[:, None], blocks.reshape(1, -1)], upper=False)
         xk = x.T.reshape(k, b, -1)
         return diag - xk @ xk.transpose(1, 2), rhs - xk @ f.z, x
 
