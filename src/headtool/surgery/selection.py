@@ -494,9 +494,9 @@ def choose_removals(geo: LayerHeads, counts: Sequence[int], unit: str,
     calibrations: 32 blocks of builtin:pydoc, 64 of builtin:pydoc+self) a beam of 8 found the
     exhaustive optimum in all 464 layer-counts at a third of its time; 5 missed 3 of them (by 2-8% of
     the layer's cost), one set a round (greedy) 7 of 232, by up to 36%. Layers of more than
-    BEAM_MAX_HEADS query heads keep one set a round (greedy, as before the beam): there the beam's
-    cost grows past what it is worth measuring here. An IncrementalCost grows each kept set's state by
-    the round's units (one batched step a set) instead of costing every set from scratch.
+    BEAM_MAX_HEADS query heads keep one set a round (greedy, as before the beam: there the beam costs
+    8x greedy, for a gain not measured). An IncrementalCost grows each kept set's state by the round's
+    units (one batched step a set) instead of costing every set from scratch.
     """
     wanted = sorted({n for n in counts if n})
     out: dict[int, list[int]] = {0: []} if 0 in counts else {}
