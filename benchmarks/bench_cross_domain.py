@@ -348,8 +348,9 @@ def main() -> None:
                     help="CAL=HELD pairs (comma list): for calibration CAL also a row with --anchor auto chosen on "
                          "--heldout-data HELD (25%% prune and fit), e.g. builtin:pydoc=self")
     ap.add_argument("--unit", default="query", choices=("query", "head", "auto"),
-                    help="prune's --unit for the prune rows: query, the default when the results in README were "
-                         "measured (auto, prune's default since 2026-12-07, is head for the rows with --compensate)")
+                    help="prune's --unit for the prune rows: query (the default here, so that the commands of the "
+                         "README tables measured before 2026-12-07 reproduce) or auto, prune's default since then "
+                         "(head for the rows with --compensate; the lead table's command passes it)")
     ap.add_argument("--merges", default=",".join(MERGES), help="3 -> 1 KV merge methods, one row each")
     ap.add_argument("--cal", type=int, default=32, help="calibration / scoring blocks")
     ap.add_argument("--held", type=int, default=8, help="held-out blocks after them (fit's refit checks)")

@@ -47,6 +47,7 @@ import platform
 import shlex
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,6 +88,7 @@ def _anchor_kwargs(text: str) -> dict:
     return {"anchor": [float(a) for a in text.split(",")] if "," in text else float(text)}
 
 
+@contextmanager
 def _from_scratch_costs():
     """obs_allocation with every removal set costed anew: its removal costs seen as plain functions,
     so the beam cannot grow a set's factor (`selection._FromScratch`); the original restored after."""
@@ -96,13 +98,11 @@ def _from_scratch_costs():
         cost = original(*args, **kwargs)
         return lambda heads: cost(heads)
 
-    class Patch:
-        def __enter__(self):
-            obs_allocation.removal_cost = plain
-
-        def __exit__(self, *exc):
-            obs_allocation.removal_cost = original
-    return Patch()
+    obs_allocation.removal_cost = plain
+    try:
+        yield
+    finally:
+        obs_allocation.removal_cost = original
 
 
 def _score_and_obs(lm, batches, target: Target) -> list[dict]:
