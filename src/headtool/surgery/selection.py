@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from ..arch import LayerHeads
 from ..arch.heads import LayerKeep, keep_for_query_heads
 from ..errors import UsageError
+from .prune_defaults import BEAM_MAX_HEADS
 
 SCOPES = ("global", "layer")
 UNITS = ("query", "group", "head")
@@ -27,11 +28,6 @@ UNITS = ("query", "group", "head")
 # than the beam), else a beam search keeping this many sets a round (see choose_removals)
 EXHAUSTIVE_LIMIT = 4096
 BEAM_WIDTH = 8
-# layers with more query heads search one set a round (greedy): on a synthetic layer of 32 x 64-dim
-# heads (8 KV, every count) a beam of 8 over single heads took 20 s against greedy's 2.6 s, over
-# query steps 5.5 s against 0.7 s (both growing each set's factor; costing every set anew the beam
-# took 196 s / 28.5 s, greedy 21 s / 2.6 s), and whether the beam chooses better there is not measured
-BEAM_MAX_HEADS = 16
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import ClassVar
 from ..data.sources import AUTO_SOURCE, DataSpec
 from ..model.placement import LoadOptions
 from ..optionspec import CLI_ONLY, RECIPE, option
-from ..surgery.prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
+from ..surgery.prune_defaults import BEAM_MAX_HEADS, DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
 from ..train.options import HealOptions
 
 # the methods each step accepts (tests check these against the code that implements them)
@@ -201,9 +201,9 @@ class PruneRequest:
     unit: str = option("auto", "GQA: query (query heads inside KV groups, groups stay equal) | group (whole KV "
                        "groups) | head (any single query head: the KV groups may end up different in size, "
                        "which only headtool's remote code expresses) | auto: head with --compensate and --scope "
-                       "global on layers of at most 16 query heads (at the refit's defaults better than query "
-                       "on every unseen text measured), and on a model whose groups already differ; query "
-                       "otherwise", choices=PRUNE_UNITS, panel=_T)
+                       f"global on layers of at most {BEAM_MAX_HEADS} query heads (at the refit's defaults better "
+                       "than query on every unseen text measured), and on a model whose groups already differ; "
+                       "query otherwise", choices=PRUNE_UNITS, panel=_T)
     protect_layers: str = option("auto", "layers that lose no heads when heads are chosen from scores: "
                                  "layer indices, comma-separated (negative from the end), none, or auto: the first "
                                  "layer with --scope global (removing its heads cost far more than their "
