@@ -635,13 +635,37 @@ def mla_calibration_section(doc: dict) -> str:
     ])
 
 
+def anchor_power_section(doc: dict) -> str:
+    from bench_anchor_power import render
+
+    st = doc["settings"]
+    unit = {"head": "single heads (`--unit head`, what `--unit auto` takes on this model)",
+            "query": "one query head from every KV group a step (`--unit query`)"}[st["unit"]]
+    return "\n".join([
+        f"### How strongly the refit holds on to the weights (`--anchor-power`), removing {unit.split(' (')[0]}: "
+        f"SmolLM2-135M, no training, {st['cal']} calibration blocks, {st['eval']} evaluation blocks a set",
+        "",
+        f"`prune --compensate` refits a layer that keeps k of h heads at `--anchor` x (k/h)^P; P = "
+        f"{st['default_anchor_power']:g} (the default) was measured with query steps on 64 calibration blocks. Here "
+        f"{unit} on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`), prune's defaults "
+        f"(`--damping {st['damping']:g}`, `--normalize auto`) but for `--anchor-power`; the powers of a sample "
+        "share its scores and evaluation blocks (paired). Ratio to the unpruned model ± one standard error over "
+        "the evaluation blocks; the last column counts the (sample, set) cells in which a power beat the first.",
+        "",
+        render(doc),
+        "",
+        *(f"`{c}`" + ("  " if i < len(doc.get("commands", [doc["command"]])) - 1 else "")
+          for i, c in enumerate(doc.get("commands", [doc["command"]]))),
+    ])
+
+
 SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normalize*.json", normalize_section),
             ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
             ("cross_domain_served*.json", served_section), ("cross_domain_wiki*.json", general_prose_section),
             ("allocation*.json", allocation_section), ("obs_allocation*.json", obs_allocation_section),
             ("obs_blocks_*.json", obs_blocks_sections, "all"), ("obs_eval_*.json", obs_eval_section),
-            ("kv_groups*.json", kv_groups_section),
+            ("kv_groups*.json", kv_groups_section), ("anchor_power_*.json", anchor_power_section),
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),
             ("mla_calibration*.json", mla_calibration_section),
