@@ -93,8 +93,9 @@ def main() -> None:
 
 
 def render(doc: dict) -> str:
-    """Per unit and fraction: every sample's ratios (± one standard error) at every power, the geometric
-    mean over the samples every power has, and the cells in which a power beat the first power measured."""
+    """Per unit and fraction: every sample's ratios (± one standard error) at every power, then over the
+    samples measured at both that power and the first, the geometric mean and the cells in which the power
+    beat the first."""
     order = doc["order"]
     labels = [doc["domains"][n].get("label", n) for n in order]
     lines = ["| unit | removed | --anchor-power | calibration sample | " + " | ".join(labels)
@@ -106,9 +107,10 @@ def render(doc: dict) -> str:
                     if r["unit"] == unit and r["fraction"] == fraction}
             powers = [p for p in doc["settings"]["powers"] if any(k[1] == p for k in rows)]
             powers += sorted({k[1] for k in rows} - set(powers))
-            seeds = sorted({s for s, p in rows if all((s, q) in rows for q in powers)})  # measured at every power
             first = powers[0]
             for p in powers:
+                # the samples measured at this power and at the first (all of the first's own)
+                seeds = sorted(s for s, q in rows if q == p and (s, first) in rows)
                 wins = sum(rows[(s, p)]["eval"][n]["ratio"] < rows[(s, first)]["eval"][n]["ratio"]
                            for s in seeds for n in order)
                 count = "" if p == first or not seeds else f"{wins} of {len(seeds) * len(order)}"
