@@ -58,14 +58,16 @@ def main() -> None:
     doc = document(run, "bench_anchor_power.py", CALIBRATION, unit=a.unit, powers=powers, damping=defaults.damping,
                    default_anchor_power=DEFAULT_ANCHOR_POWER)
     out = Path(a.out)
+    earlier: list[str] = []
     if out.exists():  # keep what an earlier run of the same settings measured
         old = json.loads(out.read_text())
-        same = {k: old["settings"].get(k) for k in ("cal", "eval", "calibration", "damping")}
+        # the unit too: the file's README section is titled by its one unit
+        same = {k: old["settings"].get(k) for k in ("unit", "cal", "eval", "calibration", "damping")}
         if same != {k: doc["settings"][k] for k in same}:
             raise SystemExit(f"{out} was measured with other settings ({same}); give another --out")
         doc["rows"] = old["rows"]
-        doc["commands"] = old.get("commands", [old["command"]])
-    doc["commands"] = doc.get("commands", []) + [doc["command"]]
+        earlier = old.get("commands", [old["command"]])
+    doc["commands"] = [*earlier, doc["command"]]
     done_keys = {row_key(r) for r in doc["rows"]}
     for seed in run.seeds:
         todo = [(f, p) for f in run.fractions for p in powers if (a.unit, seed, f, p) not in done_keys]

@@ -654,8 +654,7 @@ def anchor_power_section(doc: dict) -> str:
         "",
         render(doc),
         "",
-        *(f"`{c}`" + ("  " if i < len(doc.get("commands", [doc["command"]])) - 1 else "")
-          for i, c in enumerate(doc.get("commands", [doc["command"]]))),
+        "  \n".join(f"`{c}`" for c in doc.get("commands", [doc["command"]])),  # a line break between runs
     ])
 
 
