@@ -1,8 +1,9 @@
 """How strongly prune's refit should hold on to the weights: `--anchor-power` P (each pruned layer refit at
 --anchor x (kept heads / heads) ^ P) per removal unit, out of domain.
 
-DEFAULT_ANCHOR_POWER (3) was measured with query steps (`--unit query`) on 64 blocks of calibration
-(bench_obs_allocation); prune now removes single heads (`--unit auto`) on 256 blocks. For every calibration
+Power 3 was measured with query steps (`--unit query`) on 64 blocks of calibration (bench_obs_allocation);
+prune now removes single heads (`--unit auto`) on 256 blocks, and its default power follows the calibration's
+size (prune_defaults.default_anchor_power: these runs set it, --cal 64 / 128 / 256). For every calibration
 sample (bench_cross_domain --seed: gradient scores on `--cal` blocks of builtin:pydoc+self), fraction and
 power, SmolLM2-135M is pruned by prune's code at its defaults but for --unit and --anchor-power
 (`--compensate --anchor 1 --damping 0.001 --normalize auto`, the first layer protected) and judged out of
@@ -31,7 +32,7 @@ import bench_cross_domain as cross  # noqa: E402
 from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
 
 from headtool.model.loading import model_from_object  # noqa: E402
-from headtool.surgery.prune_defaults import DEFAULT_ANCHOR_POWER  # noqa: E402
+from headtool.surgery.prune_defaults import FEW_TOKENS_ANCHOR_POWER, MANY_TOKENS_ANCHOR_POWER  # noqa: E402
 from headtool.workflows.prune import prune_loaded  # noqa: E402
 from headtool.workflows.requests import PRUNE_CALIBRATION_BLOCKS, PruneRequest  # noqa: E402
 
@@ -47,16 +48,16 @@ def main() -> None:
     add_sample_options(ap, fractions="0.25,0.5", out="anchor_power.json")
     ap.set_defaults(cal=PRUNE_CALIBRATION_BLOCKS, eval=128)
     ap.add_argument("--unit", default="head", choices=("head", "query"), help="prune --unit")
-    ap.add_argument("--powers", default=f"{DEFAULT_ANCHOR_POWER:g},6",
+    ap.add_argument("--powers", default=f"{FEW_TOKENS_ANCHOR_POWER:g},{MANY_TOKENS_ANCHOR_POWER:g}",
                     help="prune --anchor-power values, comma-separated (the first is what the others are set "
-                         "beside; default: prune's, then 6)")
+                         "beside; default: the powers prune's default takes on few and on many calibration tokens)")
     a = ap.parse_args()
     powers = [float(p) for p in a.powers.split(",") if p.strip()]
     run = start(a)
     lm, tok = run.lm, run.lm.tokenizer
     defaults = PruneRequest(model=cross.MODEL, compensate=True)
     doc = document(run, "bench_anchor_power.py", CALIBRATION, unit=a.unit, powers=powers, damping=defaults.damping,
-                   default_anchor_power=DEFAULT_ANCHOR_POWER)
+                   default_anchor_power=run.default_power)
     out = Path(a.out)
     earlier: list[str] = []
     if out.exists():  # keep what an earlier run of the same settings measured

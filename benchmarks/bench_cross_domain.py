@@ -91,9 +91,10 @@ from headtool.measure.evaluation import evaluate
 from headtool.model.loading import load_model, model_from_object
 from headtool.model.refs import cache_dir
 from headtool.surgery.merging import summary_figures
+from headtool.surgery.prune_defaults import default_anchor_power
 from headtool.workflows.convert_gqa import convert_loaded
 from headtool.workflows.prune import prune_loaded
-from headtool.workflows.requests import (DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING, ConvertRequest, PruneRequest,
+from headtool.workflows.requests import (DEFAULT_PRUNE_DAMPING, ConvertRequest, PruneRequest,
                                          ScoreRequest)
 from headtool.workflows.score import score_loaded
 
@@ -478,7 +479,7 @@ def main() -> None:
                  "calibration": cal_source, "calibrated_on": calibrated_on, "scores": method,
                  "heads_removed": s["heads_removed"],
                  "compensate": compensate, "anchor": anchor if compensate else None,
-                 "anchor_power": req.power if compensate else None, "damping": req.damping if compensate else None,
+                 "anchor_power": done.result.anchor_power, "damping": req.damping if compensate else None,
                  "heldout_data": heldout,
                  "protect_layers": protect, "normalize": normalize, "unit": done.target.unit,
                  "allocation": done.result.allocation,
@@ -544,7 +545,11 @@ def auto_before_obs(row: dict) -> bool:
 # prune's refit settings before they were recorded (and before 2026-12-06's defaults): one anchor for
 # every layer, damping 0.01. bench_allocation and bench_obs_allocation pin them: their records hold them.
 EARLIER_REFIT = {"anchor_power": 0.0, "damping": 1e-2}
-REFIT_DEFAULTS = {"anchor_power": DEFAULT_ANCHOR_POWER, "damping": DEFAULT_PRUNE_DAMPING}
+
+
+def refit_defaults(calibration_tokens: int) -> dict:
+    """prune's refit settings today for a calibration of this many tokens (the power depends on it)."""
+    return {"anchor_power": default_anchor_power(calibration_tokens), "damping": DEFAULT_PRUNE_DAMPING}
 
 
 def refit_settings(row: dict) -> dict | None:
@@ -565,9 +570,11 @@ def earlier_refit_flags() -> str:
     return as_flags(EARLIER_REFIT)
 
 
-def refit_flags(row: dict) -> str:
-    """The refit settings a row ran at where they differ from today's defaults, as flags."""
-    changed = {k: v for k, v in (refit_settings(row) or {}).items() if v != REFIT_DEFAULTS[k]}
+def refit_flags(row: dict, calibration_tokens: int) -> str:
+    """The refit settings a row ran at where they differ from today's defaults for its calibration's size,
+    as flags."""
+    today = refit_defaults(calibration_tokens)
+    changed = {k: v for k, v in (refit_settings(row) or {}).items() if v != today[k]}
     return f" {as_flags(changed)}" if changed else ""
 
 
@@ -593,6 +600,7 @@ def render(doc: dict) -> str:
     head = [doc["domains"][n].get("label", n) for n in names]
     lines = ["| change | calibration | " + " | ".join(head) + " | seconds |",
              "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    tokens = doc["settings"]["cal"] * doc["settings"].get("seq_len", 128)  # the refit's calibration
     for r in doc["rows"]:
         cells = []
         for n in names:
@@ -602,7 +610,7 @@ def render(doc: dict) -> str:
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
-            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags(r)}`" if r.get("compensate")
+            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags(r, tokens)}`" if r.get("compensate")
                        else ", no refit")
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
             if r.get("unit") == "head":  # single query heads (KV groups may differ); rows without it: query steps

@@ -80,7 +80,7 @@ def main() -> None:
         if not math.isclose(base[name]["loss"], expanded[name]["loss"], rel_tol=1e-5):
             raise SystemExit(f"the expanded model differs on {name}: {base[name]} vs {expanded[name]}")
     defaults = PruneRequest(model=cross.MODEL, compensate=True)  # the refit settings its prunes run at
-    doc = {**document(run, "bench_kv_groups.py", CALIBRATION, anchor_power=defaults.power,
+    doc = {**document(run, "bench_kv_groups.py", CALIBRATION, anchor_power=run.default_power,
                       damping=defaults.damping), "variants": VARIANTS}
     for seed in run.seeds:
         spec = run.calibration(CALIBRATION, seed)

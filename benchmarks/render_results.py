@@ -212,7 +212,9 @@ def obs_allocation_section(doc: dict) -> str:
     from bench_cross_domain import EARLIER_REFIT, earlier_refit_flags
     from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
 
-    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
+    from sample_runs import SEQ_LEN
+
+    from headtool.surgery.prune_defaults import DEFAULT_PRUNE_DAMPING, default_anchor_power
 
     st = doc["settings"]
     damping = damping_flag(doc)
@@ -246,8 +248,8 @@ def obs_allocation_section(doc: dict) -> str:
         "",
         f"prune at its defaults on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`) "
         f"with `--normalize obs` and one anchor for every layer (`{earlier_refit_flags()}`, the defaults "
-        f"when these ran; `--anchor-power {DEFAULT_ANCHOR_POWER:g} --damping {DEFAULT_PRUNE_DAMPING:g}` now, the "
-        "tables below): each layer's count from the error the anchored refit leaves after removing the "
+        f"when these ran; `--anchor-power {default_anchor_power(st['cal'] * SEQ_LEN):g} --damping "
+        f"{DEFAULT_PRUNE_DAMPING:g}` now on {st['cal']} blocks, the tables below): each layer's count from the error the anchored refit leaves after removing the "
         "heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
         "(one forward and backward pass over the calibration), split over the layers exactly. Beside every "
         "sample, what `auto` kept when these ran (`layer,none`; from these runs the default is `obs`) and "
@@ -637,16 +639,22 @@ def mla_calibration_section(doc: dict) -> str:
 
 def anchor_power_section(doc: dict) -> str:
     from bench_anchor_power import render
+    from sample_runs import SEQ_LEN
+
+    from headtool.surgery.prune_defaults import default_anchor_power
 
     st = doc["settings"]
     unit = {"head": "single heads (`--unit head`, what `--unit auto` takes on this model)",
             "query": "one query head from every KV group a step (`--unit query`)"}[st["unit"]]
+    then, now = st["default_anchor_power"], default_anchor_power(st["cal"] * SEQ_LEN)
+    default = (f"P = 3 was chosen with query steps on 64 calibration blocks (`A freer refit where a layer lost "
+               f"more heads`); prune's default on {st['cal']} blocks of 128 tokens is "
+               + (f"P = {now:g}" if then == now else f"P = {now:g} since these ran (P = {then:g} then)"))
     return "\n".join([
         f"### How strongly the refit holds on to the weights (`--anchor-power`), removing {unit.split(' (')[0]}: "
         f"SmolLM2-135M, no training, {st['cal']} calibration blocks, {st['eval']} evaluation blocks a set",
         "",
-        f"`prune --compensate` refits a layer that keeps k of h heads at `--anchor` x (k/h)^P; P = "
-        f"{st['default_anchor_power']:g} (the default) was measured with query steps on 64 calibration blocks. Here "
+        f"`prune --compensate` refits a layer that keeps k of h heads at `--anchor` x (k/h)^P; {default}. Here "
         f"{unit} on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`), prune's defaults "
         f"(`--damping {st['damping']:g}`, `--normalize auto`) but for `--anchor-power`; the powers of a sample "
         "share its scores and evaluation blocks (paired). Ratio to the unpruned model ± one standard error over "

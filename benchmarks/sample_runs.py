@@ -20,8 +20,10 @@ from run_clock import RunClock
 
 from headtool.measure.evaluation import paired_difference
 from headtool.model.loading import LoadedModel, load_model
+from headtool.surgery.prune_defaults import default_anchor_power
 
 HERE = Path(__file__).resolve().parent
+SEQ_LEN = 128  # tokens per calibration and evaluation block
 
 
 def add_sample_options(ap: argparse.ArgumentParser, fractions: str, out: str) -> None:
@@ -60,8 +62,13 @@ class SampleRun:
 
     def calibration(self, source: str, seed: int):
         """The calibration of one sample: `cal` blocks of `source` (bench_cross_domain's cut)."""
-        return cross.calibration_spec(source, self.domains, blocks=self.cal, evaluated=self.eval, seq_len=128,
+        return cross.calibration_spec(source, self.domains, blocks=self.cal, evaluated=self.eval, seq_len=SEQ_LEN,
                                       batch_size=4, seed=seed)[0]
+
+    @property
+    def default_power(self) -> float:
+        """The --anchor-power prune refits at when none is given, on this run's calibration (`cal` full blocks)."""
+        return default_anchor_power(self.cal * SEQ_LEN)
 
     def scored(self, source: str, seed: int) -> "Sample":
         """One sample's calibration, its gradient scores (and their seconds), and the blocks prune's judge
@@ -101,7 +108,7 @@ def start(a: argparse.Namespace) -> SampleRun:
     clock = RunClock()
     lm = load_model(cross.MODEL, dtype="float32", device="cpu")
     # held-out blocks of the refit are not read at the defaults; 16 reserved as bench_cross_domain does
-    domains, evals = cross.evaluation_sets(lm.tokenizer, seq_len=128, batch_size=4, n_eval=a.eval, used=a.cal + 16,
+    domains, evals = cross.evaluation_sets(lm.tokenizer, seq_len=SEQ_LEN, batch_size=4, n_eval=a.eval, used=a.cal + 16,
                                            min_blocks=64, log=clock.log, in_domain=False)
     base, _ = cross.perplexities(lm.model, evals, per_block=True)
     base_blocks = {n: e.pop("block_sums") for n, e in base.items()}

@@ -50,6 +50,28 @@ def test_the_readme_section_names_the_unit_the_settings_and_every_command_that_a
     assert "| head | 25% | 3 | 0 | 1.1000x ± 0.0110 | |" in section
 
 
+def test_the_section_says_which_default_its_runs_had_and_which_prune_takes_now_on_that_calibration():
+    from render_results import anchor_power_section
+
+    from headtool.surgery.prune_defaults import (FEW_TOKENS_ANCHOR_POWER, MANY_CALIBRATION_TOKENS,
+                                                 MANY_TOKENS_ANCHOR_POWER)
+
+    def section(cal: int, then: float) -> str:
+        return anchor_power_section({
+            "order": ["news"], "domains": {"news": {"label": "news"}}, "command": "python b.py",
+            "settings": {"unit": "head", "cal": cal, "eval": 128, "powers": [then], "damping": 0.001,
+                         "default_anchor_power": then, "calibration": "builtin:pydoc+self"},
+            "rows": [{**_row(0, then, 1.1, 1.1), "eval": {"news": {"ratio": 1.1, "log_ratio_se": 0.01}}}]})
+
+    many, few = MANY_CALIBRATION_TOKENS // 128, MANY_CALIBRATION_TOKENS // 128 - 1
+    assert (f"prune's default on {few} blocks of 128 tokens is P = {FEW_TOKENS_ANCHOR_POWER:g}. Here"
+            in section(few, FEW_TOKENS_ANCHOR_POWER))
+    assert (f"prune's default on {many} blocks of 128 tokens is P = {MANY_TOKENS_ANCHOR_POWER:g}. Here"
+            in section(many, MANY_TOKENS_ANCHOR_POWER))
+    assert (f"prune's default on {many} blocks of 128 tokens is P = {MANY_TOKENS_ANCHOR_POWER:g} since these "
+            f"ran (P = {FEW_TOKENS_ANCHOR_POWER:g} then)" in section(many, FEW_TOKENS_ANCHOR_POWER))
+
+
 def test_one_sample_carries_its_count_on_its_own_row():
     from bench_anchor_power import render
 

@@ -33,8 +33,10 @@ from headtool.surgery.compensation import (
     set_o_proj_matrix,
     squared_error,
 )
+from headtool.data.sources import DataSpec
 from headtool.surgery.merging import convert_model
-from headtool.surgery.prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
+from headtool.surgery.prune_defaults import (DEFAULT_PRUNE_DAMPING, FEW_TOKENS_ANCHOR_POWER, MANY_CALIBRATION_TOKENS,
+                                             MANY_TOKENS_ANCHOR_POWER, default_anchor_power)
 from headtool.surgery.pruning import markdown_table, prune, prune_layer
 from headtool.arch import LayerHeads
 from headtool.surgery.selection import Selection, candidate_sets, choose_removals
@@ -451,7 +453,8 @@ def test_convert_with_anchor_inf_is_the_merge_without_refit_bit_for_bit():
 def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(family):
     """--anchor-power P: a layer that keeps k of h heads is refit with anchor x (k/h)^P (a layer that
     keeps all of them, refit with --refit-layers all, with the anchor as given); P = 0 is one anchor for
-    every layer; the library's default is the CLI's (DEFAULT_ANCHOR_POWER)."""
+    every layer; the library's default on this little calibration is FEW_TOKENS_ANCHOR_POWER, and the
+    result records the power it used."""
     base = tiny_model(family, num_key_value_heads=4).eval() if family == "llama" else tiny_model(family).eval()
     adapter = adapter_for(base.config)
     geo = adapter.geometry(base.config)
@@ -463,12 +466,14 @@ def test_anchor_power_scales_each_layers_anchor_by_the_share_of_heads_it_keeps(f
         m = copy.deepcopy(base)
         res = prune(SimpleNamespace(model=m, adapter=adapter), selection, calib_batches=_blocks(1, 200, 1),
                     compensate=True, choose_in_layer="scores", refit_layers="all", anchor=0.5, **kw)
-        return m, {r["layer"]: r for r in res.compensation}
-    m0, _ = run(anchor_power=0.0)
-    m_default, _ = run()
-    m_stated, _ = run(anchor_power=DEFAULT_ANCHOR_POWER)
+        return m, {r["layer"]: r for r in res.compensation}, res.anchor_power
+    m0, _, _ = run(anchor_power=0.0)
+    m_default, _, used = run()
+    m_stated, _, _ = run(anchor_power=FEW_TOKENS_ANCHOR_POWER)
+    assert used == FEW_TOKENS_ANCHOR_POWER
     assert all(torch.equal(a, b) for a, b in zip(m_default.state_dict().values(), m_stated.state_dict().values()))
-    m2, rows = run(anchor_power=2.0)
+    m2, rows, used = run(anchor_power=2.0)
+    assert used == 2.0
     expected = {0: 0.5 / h ** 2, 1: 0.5, 2: 0.5 * ((h - 1) / h) ** 2}
     for layer, strength in expected.items():
         assert rows[layer]["anchor"] in (pytest.approx(strength), None)
@@ -485,4 +490,41 @@ def test_library_prune_refits_at_the_settings_the_cli_uses():
     params = inspect.signature(prune).parameters
     cli = PruneRequest(model="m", fraction=0.25, compensate=True)
     assert params["damping"].default == cli.damping == DEFAULT_PRUNE_DAMPING
-    assert params["anchor_power"].default == cli.power == DEFAULT_ANCHOR_POWER
+    assert params["anchor_power"].default is None and cli.power is None  # both: by the calibration's size
+
+
+def test_the_default_power_follows_the_calibration_size_and_prunes_default_calibration_is_many_tokens():
+    """default_anchor_power: the freer refit from MANY_CALIBRATION_TOKENS on (the tokens of prune's default
+    calibration, where it was measured better out of domain), the stiffer one below (better on 16 blocks)."""
+    assert default_anchor_power(MANY_CALIBRATION_TOKENS) == MANY_TOKENS_ANCHOR_POWER
+    assert default_anchor_power(MANY_CALIBRATION_TOKENS - 1) == FEW_TOKENS_ANCHOR_POWER
+    assert MANY_TOKENS_ANCHOR_POWER > FEW_TOKENS_ANCHOR_POWER
+    req = PruneRequest(model="m", fraction=0.25, compensate=True)
+    assert req.default_blocks * DataSpec().seq_len >= MANY_CALIBRATION_TOKENS
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_prune_refits_at_the_power_of_the_tokens_it_reads_padding_not_counted(padded):
+    """A calibration of MANY_CALIBRATION_TOKENS real tokens is refit at MANY_TOKENS_ANCHOR_POWER, bit for bit
+    as when given; with a padded position in every row it is one token short of that, and stiffer."""
+    base = tiny_model("llama", num_key_value_heads=4).eval()
+    adapter = adapter_for(base.config)
+    geo = adapter.geometry(base.config)
+    selection = Selection.from_kept(geo, [tuple(range(g.num_heads - 2)) for g in geo])
+    rows, seq = 64, MANY_CALIBRATION_TOKENS // 64
+    ids = torch.randint(3, 200, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, -1] = 0
+    batches = [{"input_ids": ids[i:i + 16], "attention_mask": mask[i:i + 16]} for i in range(0, rows, 16)]
+
+    def run(**kw):
+        m = copy.deepcopy(base)
+        res = prune(SimpleNamespace(model=m, adapter=adapter), selection, calib_batches=batches, compensate=True,
+                    choose_in_layer="scores", **kw)
+        return m, res.anchor_power
+    m_default, used = run()
+    expected = FEW_TOKENS_ANCHOR_POWER if padded else MANY_TOKENS_ANCHOR_POWER
+    assert used == expected
+    m_given, _ = run(anchor_power=expected)
+    assert all(torch.equal(a, b) for a, b in zip(m_default.state_dict().values(), m_given.state_dict().values()))

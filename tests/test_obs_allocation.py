@@ -213,23 +213,27 @@ def test_anchor_power_is_recorded_and_needs_compensate(src, tmp_path):
 
 
 def test_compensate_defaults_to_the_measured_anchor_power(src, tmp_path):
-    """--compensate without --anchor-power refits at the default power (the same model, bit for bit, as
-    giving it), --anchor-power 0 refits every layer at the anchor itself, and a prune without a refit
-    records no power."""
+    """--compensate without --anchor-power refits at the default power for its calibration, few tokens here
+    (the same model, bit for bit, as giving it; headtool.json and the summary say which), --anchor-power 0
+    refits every layer at the anchor itself, and a prune without a refit records no power."""
     from safetensors.torch import load_file
 
-    from headtool.workflows.requests import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
+    from headtool.surgery.prune_defaults import DEFAULT_PRUNE_DAMPING, FEW_TOKENS_ANCHOR_POWER
 
     def prune_to(name, *extra):
         r = _run("prune", src, "--fraction", "0.5", *extra, *COMMON, "-o", tmp_path / name)
         assert r.exit_code == 0, r.output
         meta = json.loads((tmp_path / name / "headtool.json").read_text())
+        said[name] = r.stderr
         return meta, load_file(str(tmp_path / name / "model.safetensors"))
 
+    said: dict[str, str] = {}
     default, w_default = prune_to("default", "--compensate")
-    given, w_given = prune_to("given", "--compensate", "--anchor-power", f"{DEFAULT_ANCHOR_POWER:g}")
+    given, w_given = prune_to("given", "--compensate", "--anchor-power", f"{FEW_TOKENS_ANCHOR_POWER:g}")
+    line = f"refit at --anchor-power {FEW_TOKENS_ANCHOR_POWER:g}, the default on fewer than"
+    assert line in " ".join(said["default"].split()) and "refit at --anchor-power" not in said["given"]
     zero, w_zero = prune_to("zero", "--compensate", "--anchor-power", "0")
-    assert default["options"]["anchor_power"] == DEFAULT_ANCHOR_POWER and zero["options"]["anchor_power"] == 0
+    assert default["options"]["anchor_power"] == FEW_TOKENS_ANCHOR_POWER and zero["options"]["anchor_power"] == 0
     assert default["options"]["damping"] == DEFAULT_PRUNE_DAMPING
     assert w_default.keys() == w_given.keys() and all(torch.equal(w_default[k], w_given[k]) for k in w_default)
     assert any(not torch.equal(w_default[k], w_zero[k]) for k in w_default)

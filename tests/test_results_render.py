@@ -98,7 +98,7 @@ def test_the_served_text_section_marks_the_matched_domain():
         return {"news": {"perplexity": 40.0 * news, "ratio": news}, "legal": {"perplexity": 20.0 * legal, "ratio": legal}}
     domains = {n: {"label": n, "eval": {"samples": 2, "seq_len": 32}, "blocks_available": 9} for n in ("news", "legal")}
     doc = {"command": "python benchmarks/bench_cross_domain.py --calibrations legal+builtin:pydoc+self",
-           "order": ["news", "legal"], "domains": domains, "calibration": {},
+           "order": ["news", "legal"], "domains": domains, "calibration": {}, "settings": {"cal": 32, "seq_len": 128},
            "rows": [{"change": "none (unpruned)", "kind": "unpruned", "calibration": None, "eval": ev(1.0, 1.0),
                      "seconds": 3},
                     {"change": "25% of query heads removed", "kind": "prune", "heads_removed": 66, "compensate": True,
@@ -116,6 +116,10 @@ def test_the_served_text_section_marks_the_matched_domain():
     assert ("| 50% of query heads removed (135), gradient, `--compensate --anchor 1`, `--protect-layers 0` | "
             "`legal+builtin:pydoc+self` | 60.00 (1.50x) | 25.00 (1.25x), calibrated on it | 50 |") in text
     assert "### Calibrating on the served text" in text
+    # today's default power depends on the calibration's size: on 128 blocks P = 3 is no longer it
+    doc["settings"]["cal"] = 128
+    assert ("| 50% of query heads removed (135), gradient, `--compensate --anchor 1 --anchor-power 3`, "
+            "`--protect-layers 0` |") in render_results.served_section(doc)
 
 
 def test_a_heal_on_the_served_text_is_titled_and_marked_so():
@@ -198,7 +202,7 @@ def test_rows_where_auto_compared_layer_and_none_are_marked_as_before_obs():
     assert chosen_allocation({}) is None
     ev = {"news": {"perplexity": 2.0, "ratio": 1.0}}
     doc = {"order": ["news"], "domains": {"news": {"eval": {"samples": 1, "seq_len": 8}, "blocks_available": 2}},
-           "calibration": {}, "command": "python benchmarks/bench_cross_domain.py",
+           "calibration": {}, "command": "python benchmarks/bench_cross_domain.py", "settings": {"cal": 32},
            "rows": [{"kind": "prune", "change": "25% of query heads removed", "heads_removed": 66,
                      "calibration": "self", "eval": ev, "seconds": 1.0, **old}]}
     table = render(doc)

@@ -35,7 +35,7 @@ from .compensation import (
     removal_cost,
     sequential_refit,
 )
-from .prune_defaults import DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
+from .prune_defaults import DEFAULT_PRUNE_DAMPING, default_anchor_power
 from .selection import Selection, choose_removal
 
 CHOICES = ("auto", "scores", "refit")
@@ -65,6 +65,8 @@ class PruneResult:
     #: how many heads each layer lost came from scores normalized so ({"normalize", "candidates": [...]},
     #: with the held-out losses when several were compared); None: the scores as they were given
     allocation: dict | None = None
+    #: the --anchor-power the refit used (given, or default_anchor_power of its calibration); None: no refit
+    anchor_power: float | None = None
 
     def layers(self) -> list[dict[str, Any]]:
         rows = []
@@ -166,7 +168,7 @@ def prune(
     refit_layers: str = "pruned",
     damping: float = DEFAULT_PRUNE_DAMPING,
     anchor: float | Sequence[float] = DEFAULT_ANCHOR,
-    anchor_power: float = DEFAULT_ANCHOR_POWER,
+    anchor_power: float | None = None,
     eval_batches: Sequence[dict] | None = None,
     objective: str | None = None,
     calib_device=None,
@@ -190,8 +192,9 @@ def prune(
     `anchor_power` P scales a layer's refit anchor by (kept heads / heads) ** P
     (compensation.kept_share_anchor): the more heads a layer loses, the freer its refit. Which heads
     go is still chosen at `anchor` (costed at the freer anchor, the choices held up worse). `damping`
-    and `anchor_power` default to what `headtool prune --compensate` uses (prune_defaults.py: 0.001
-    and 3, measured out of domain); 0.01 and 0 are the refit before those measurements.
+    and `anchor_power` default to what `headtool prune --compensate` uses (prune_defaults.py: 0.001,
+    and a power by the calibration's size, default_anchor_power; measured out of domain); 0.01 and 0
+    are the refit before those measurements. The result records the power the refit used.
     """
     if choose_in_layer not in CHOICES:
         raise UsageError(f"--choose-in-layer must be one of {', '.join(CHOICES)} (got {choose_in_layer!r})")
@@ -201,6 +204,8 @@ def prune(
         raise UsageError("--compensate needs calibration data (--data)")
     if damping <= 0:
         raise UsageError(f"--damping must be positive (got {damping})")
+    if anchor_power is None:
+        anchor_power = default_anchor_power(calibration_tokens(calib_batches or []))
     if anchor_power < 0 or math.isnan(anchor_power):
         raise UsageError(f"--anchor-power must be >= 0 (got {anchor_power:g})")
     candidates = anchor_candidates(anchor)
@@ -247,7 +252,17 @@ def prune(
     info_after = model_info(model, adapter)
     eval_after = _evaluate(model, eval_batches, objective)
     return PruneResult(selection, geometry, list(adapter.geometry(model.config)), info_before, info_after,
-                       eval_before, eval_after, report, choice, time.perf_counter() - t0)
+                       eval_before, eval_after, report, choice, time.perf_counter() - t0,
+                       anchor_power=anchor_power if compensate else None)
+
+
+def calibration_tokens(batches: Sequence[dict]) -> int:
+    """The tokens a refit reads from these batches (the attention mask's, padding left out)."""
+    total = 0
+    for b in batches:
+        mask = b.get("attention_mask")
+        total += int(mask.sum()) if mask is not None else int(b["input_ids"].numel())
+    return total
 
 
 def kv_heads_cell(row: dict[str, Any]) -> str:

@@ -103,7 +103,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
                "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
                "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
                "anchor": req.anchor if req.compensate else None,
-               "anchor_power": req.power if req.compensate else None,
+               "anchor_power": result.anchor_power,
                "heldout_data": (req.heldout_data if isinstance(req.heldout_data, (str, type(None)))
                                 else req.heldout_data.source) if req.compensate else None,
                "calibration_data": (calib_info(lm, spec) if req.compensate else None), "dtype": load.dtype}

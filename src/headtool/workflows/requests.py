@@ -16,7 +16,8 @@ from typing import ClassVar
 from ..data.sources import AUTO_SOURCE, DataSpec
 from ..model.placement import LoadOptions
 from ..optionspec import CLI_ONLY, RECIPE, option
-from ..surgery.prune_defaults import BEAM_MAX_HEADS, DEFAULT_ANCHOR_POWER, DEFAULT_PRUNE_DAMPING
+from ..surgery.prune_defaults import (BEAM_MAX_HEADS, DEFAULT_PRUNE_DAMPING, FEW_TOKENS_ANCHOR_POWER,
+                                      MANY_CALIBRATION_TOKENS, MANY_TOKENS_ANCHOR_POWER)
 from ..train.options import HealOptions
 
 # the methods each step accepts (tests check these against the code that implements them)
@@ -222,7 +223,10 @@ class PruneRequest:
     anchor: str = option("1", ANCHOR_HELP, panel=_C)
     anchor_power: float | None = option(None, "each pruned layer's --anchor times (kept heads / heads) ^ P: the "
                                         "more heads a layer loses, the freer its refit (0: one anchor for every "
-                                        f"layer; default {DEFAULT_ANCHOR_POWER:g} with --compensate)",
+                                        f"layer; default with --compensate: {MANY_TOKENS_ANCHOR_POWER:g} on "
+                                        f"{MANY_CALIBRATION_TOKENS:,} calibration tokens or more, "
+                                        f"{FEW_TOKENS_ANCHOR_POWER:g} on fewer; the default calibration is "
+                                        f"{PRUNE_CALIBRATION_BLOCKS} blocks of 128)",
                                         min=0, panel=_C)
     heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
                                   "none); 0: no check, unless --heldout-data (then a quarter of the calibration)",
@@ -255,12 +259,13 @@ class PruneRequest:
         return any(a != float("inf") for a in (anchors if isinstance(anchors, tuple) else (anchors,)))
 
     @property
-    def power(self) -> float:
-        """The --anchor-power a prune uses: as given, else the measured default with --compensate
-        (0 without: no refit to scale)."""
+    def power(self) -> float | None:
+        """The --anchor-power a prune uses: as given; else None with --compensate (the measured default
+        for the calibration's size, which prune picks once it has read it: PruneResult.anchor_power),
+        0 without (no refit to scale)."""
         if self.anchor_power is not None:
             return self.anchor_power
-        return DEFAULT_ANCHOR_POWER if self.compensate else 0.0
+        return None if self.compensate else 0.0
 
     @property
     def auto_is_obs(self) -> bool:

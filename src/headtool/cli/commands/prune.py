@@ -36,6 +36,8 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
     protected = run.target.protected(len(run.result.geometry_before)) if run.target else set()
     _render(err_console(), req.model, run.result, run.config_kind, run.eval_info, run.written, req.dry_run,
             protected)
+    if req.anchor_power is None and run.result.anchor_power is not None:
+        info(_default_power_line(run.result.anchor_power))
     if req.unit == "auto" and run.target is not None and run.target.unit == "head":
         was_uneven = any(g.uneven for g in run.result.geometry_before)
         info("single query heads removed (--unit auto): a layer's KV groups may differ in size"
@@ -96,6 +98,16 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
                       + (f"; {IN_DOMAIN_NOTE}" if eval_info.get("in_domain") else ""))
     console.print(f"config: {kind}" + (" (loads with trust_remote_code=True; the folder carries its modeling file)"
                                        if kind != "standard" else " (loads with plain from_pretrained)"))
+
+
+def _default_power_line(power: float) -> str:
+    """Which default --anchor-power the refit took, and why (it depends on the calibration's size)."""
+    from ...surgery.prune_defaults import FEW_TOKENS_ANCHOR_POWER, MANY_CALIBRATION_TOKENS, MANY_TOKENS_ANCHOR_POWER
+
+    many = power == MANY_TOKENS_ANCHOR_POWER
+    return (f"refit at --anchor-power {power:g}, the default on {'' if many else 'fewer than '}"
+            f"{MANY_CALIBRATION_TOKENS:,} calibration tokens{' or more' if many else ''} "
+            f"({FEW_TOKENS_ANCHOR_POWER if many else MANY_TOKENS_ANCHOR_POWER:g} on {'fewer' if many else 'more'})")
 
 
 def register(app: typer.Typer) -> None:
