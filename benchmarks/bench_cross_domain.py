@@ -610,8 +610,8 @@ def render(doc: dict) -> str:
         change = r["change"].replace("->", "→")
         if r["kind"] == "prune":
             change += f" ({r['heads_removed']}), {r.get('scores', 'gradient')}"
-            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags(r, tokens)}`" if r.get("compensate")
-                       else ", no refit")
+            change += (f", `--compensate --anchor {r.get('anchor') or 0}{refit_flags(r, tokens)}`"
+                       if r.get("compensate") else ", no refit")
             change += f", `--protect-layers {r.get('protect_layers', 'none')}`"
             if r.get("unit") == "head":  # single query heads (KV groups may differ); rows without it: query steps
                 change += ", `--unit head`"
