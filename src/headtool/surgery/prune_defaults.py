@@ -8,7 +8,7 @@ importing torch."""
 # calibration samples) power 2 and 3 were better than 0 in every sample at 25% and 50% of the heads, 3 a
 # little more than 2. With single heads (bench_anchor_power) 8 beat 3 on 256 blocks in all 9 cells of three
 # samples at 25% (6 worse than 8 in every cell, 12 within 0.002 of it) and in 7 of 9 at 50%, on 128 blocks
-# in 5 of 6 cells of two samples, while on 64 blocks 3 was better in 4 of 6 and on the demo's 16 on all 3:
+# in 8 of 9 cells of three samples, while on 64 blocks 3 was better in 6 of 9 and on the demo's 16 on all 3:
 # the more text, the freer a refit it supports.
 FEW_TOKENS_ANCHOR_POWER = 3.0
 MANY_TOKENS_ANCHOR_POWER = 8.0
