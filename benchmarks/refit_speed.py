@@ -153,7 +153,7 @@ def main() -> None:
     held = make_batches(DataSpec(source=a.source, seq_len=a.seq_len, batch_size=a.batch_size, max_samples=n_held,
                                  skip_samples=a.blocks), lm.tokenizer, "lm") if n_held else None
     held_batches = held.batches if held else None
-    tokens = sum(int(b["attention_mask"].sum()) for b in cal.batches)
+    tokens = cal.num_tokens
     kw = _anchor_kwargs(a.anchor)
 
     def forward():

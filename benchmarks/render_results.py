@@ -212,9 +212,9 @@ def obs_allocation_section(doc: dict) -> str:
     from bench_cross_domain import EARLIER_REFIT, earlier_refit_flags
     from bench_obs_allocation import baselines, compared_power, damping_flag, obs_rows, render, render_power
 
-    from sample_runs import SEQ_LEN
+    from sample_runs import default_power
 
-    from headtool.surgery.prune_defaults import DEFAULT_PRUNE_DAMPING, default_anchor_power
+    from headtool.surgery.prune_defaults import DEFAULT_PRUNE_DAMPING
 
     st = doc["settings"]
     damping = damping_flag(doc)
@@ -248,7 +248,7 @@ def obs_allocation_section(doc: dict) -> str:
         "",
         f"prune at its defaults on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`) "
         f"with `--normalize obs` and one anchor for every layer (`{earlier_refit_flags()}`, the defaults "
-        f"when these ran; `--anchor-power {default_anchor_power(st['cal'] * SEQ_LEN):g} --damping "
+        f"when these ran; `--anchor-power {default_power(st['cal']):g} --damping "
         f"{DEFAULT_PRUNE_DAMPING:g}` now on {st['cal']} blocks, the tables below): each layer's count from the "
         "error the anchored refit leaves after removing the heads it would choose, weighted by the layer's loss sensitivity E||dL/dy||² at its attention output "
         "(one forward and backward pass over the calibration), split over the layers exactly. Beside every "
@@ -639,14 +639,12 @@ def mla_calibration_section(doc: dict) -> str:
 
 def anchor_power_section(doc: dict) -> str:
     from bench_anchor_power import render
-    from sample_runs import SEQ_LEN
-
-    from headtool.surgery.prune_defaults import default_anchor_power
+    from sample_runs import default_power
 
     st = doc["settings"]
     unit = {"head": "single heads (`--unit head`, what `--unit auto` takes on this model)",
             "query": "one query head from every KV group a step (`--unit query`)"}[st["unit"]]
-    then, now = st["default_anchor_power"], default_anchor_power(st["cal"] * SEQ_LEN)
+    then, now = st["default_anchor_power"], default_power(st["cal"])
     default = (f"P = 3 was chosen with query steps on 64 calibration blocks (`A freer refit where a layer lost "
                f"more heads`); prune's default on {st['cal']} blocks of 128 tokens is "
                + (f"P = {now:g}" if then == now else f"P = {now:g} since these ran (P = {then:g} then)"))

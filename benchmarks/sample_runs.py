@@ -26,6 +26,11 @@ HERE = Path(__file__).resolve().parent
 SEQ_LEN = 128  # tokens per calibration and evaluation block
 
 
+def default_power(cal: int) -> float:
+    """The --anchor-power prune refits at when none is given, on `cal` full blocks of calibration."""
+    return default_anchor_power(cal * SEQ_LEN)
+
+
 def add_sample_options(ap: argparse.ArgumentParser, fractions: str, out: str) -> None:
     ap.add_argument("--seeds", default="0,1,2", help="calibration samples (bench_cross_domain --seed)")
     ap.add_argument("--fractions", default=fractions)
@@ -67,8 +72,8 @@ class SampleRun:
 
     @property
     def default_power(self) -> float:
-        """The --anchor-power prune refits at when none is given, on this run's calibration (`cal` full blocks)."""
-        return default_anchor_power(self.cal * SEQ_LEN)
+        """The --anchor-power prune refits at when none is given, on this run's calibration."""
+        return default_power(self.cal)
 
     def scored(self, source: str, seed: int) -> "Sample":
         """One sample's calibration, its gradient scores (and their seconds), and the blocks prune's judge

@@ -490,7 +490,7 @@ def test_library_prune_refits_at_the_settings_the_cli_uses():
     params = inspect.signature(prune).parameters
     cli = PruneRequest(model="m", fraction=0.25, compensate=True)
     assert params["damping"].default == cli.damping == DEFAULT_PRUNE_DAMPING
-    assert params["anchor_power"].default is None and cli.power is None  # both: by the calibration's size
+    assert params["anchor_power"].default is None and cli.anchor_power is None  # both: by the calibration's size
 
 
 def test_the_default_power_follows_the_calibration_size_and_prunes_default_calibration_is_many_tokens():
@@ -506,7 +506,7 @@ def test_the_default_power_follows_the_calibration_size_and_prunes_default_calib
 @pytest.mark.parametrize("padded", [False, True])
 def test_prune_refits_at_the_power_of_the_tokens_it_reads_padding_not_counted(padded):
     """A calibration of MANY_CALIBRATION_TOKENS real tokens is refit at MANY_TOKENS_ANCHOR_POWER, bit for bit
-    as when given; with a padded position in every row it is one token short of that, and stiffer."""
+    as when given; with one padded position it is one token short of that, and stiffer."""
     base = tiny_model("llama", num_key_value_heads=4).eval()
     adapter = adapter_for(base.config)
     geo = adapter.geometry(base.config)

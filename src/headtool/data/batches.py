@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -63,7 +63,7 @@ class Batches:
     @property
     def num_tokens(self) -> int:
         """Real (non-padding) tokens over all batches."""
-        return int(sum(int(b["attention_mask"].sum()) for b in self.batches))
+        return real_token_count(self.batches)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -703,3 +703,14 @@ def _make_batches(spec: DataSpec, tokenizer: Any, task: str, model: Any) -> Batc
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def real_tokens_in(batch: dict) -> int:
+    """The tokens of a batch that its attention mask keeps (padding left out); all of them without a mask."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+
+
+def real_token_count(batches: Iterable[dict]) -> int:
+    """Real (non-padding) tokens over all batches."""
+    return sum(real_tokens_in(b) for b in batches)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..arch import Adapter, LayerHeads
 from ..arch.heads import keep_for_query_heads, prune_layer_tensors
+from ..data.batches import real_token_count
 from ..errors import UsageError
 from ..measure.evaluation import against_text, evaluate
 from ..model.info import model_info
@@ -205,7 +206,7 @@ def prune(
     if damping <= 0:
         raise UsageError(f"--damping must be positive (got {damping})")
     if anchor_power is None:
-        anchor_power = default_anchor_power(calibration_tokens(calib_batches or []))
+        anchor_power = default_anchor_power(real_token_count(calib_batches or []))
     if anchor_power < 0 or math.isnan(anchor_power):
         raise UsageError(f"--anchor-power must be >= 0 (got {anchor_power:g})")
     candidates = anchor_candidates(anchor)
@@ -254,15 +255,6 @@ def prune(
     return PruneResult(selection, geometry, list(adapter.geometry(model.config)), info_before, info_after,
                        eval_before, eval_after, report, choice, time.perf_counter() - t0,
                        anchor_power=anchor_power if compensate else None)
-
-
-def calibration_tokens(batches: Sequence[dict]) -> int:
-    """The tokens a refit reads from these batches (the attention mask's, padding left out)."""
-    total = 0
-    for b in batches:
-        mask = b.get("attention_mask")
-        total += int(mask.sum()) if mask is not None else int(b["input_ids"].numel())
-    return total
 
 
 def kv_heads_cell(row: dict[str, Any]) -> str:

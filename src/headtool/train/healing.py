@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..console import info, progress, warn
-from ..data.batches import to_device
+from ..data.batches import real_tokens_in, to_device
 from ..distributed import World
 from ..errors import HeadtoolError, UsageError
 from ..measure.objectives import divergence, has_logits, token_losses
@@ -334,7 +334,7 @@ def evaluate_heal(student: nn.Module, teacher: nn.Module, batches: Sequence[dict
     try:
         for batch in batches:
             b = to_device(batch, device)
-            n = float(b["attention_mask"].sum()) if "attention_mask" in b else float(b["input_ids"].numel())
+            n = float(real_tokens_in(b))
             with _autocast(device, bf16):
                 t = _outputs(teacher, b, opts)
                 s = _outputs(student, b, opts)
@@ -524,8 +524,7 @@ def heal_model(
                                             "try a lower --lr or --bf16 off")
                     loss.backward()
                 step_loss += torch.stack([loss.detach(), terms["distill"].detach() / opts.grad_accum])
-                step_tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch \
-                    else batch["input_ids"].numel()
+                step_tokens += real_tokens_in(batch)
             if world.size > 1:
                 import torch.distributed as dist
 

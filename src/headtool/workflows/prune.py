@@ -192,7 +192,7 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     def run(trial: LoadedModel, chosen: Selection, evaluation=data.eval_batches) -> PruneResult:
         return prune(trial, chosen, unit=req.unit, calib_batches=data.calib, heldout_batches=data.heldout,
                      compensate=req.compensate, choose_in_layer=req.choose_in_layer, refit_layers=req.refit_layers,
-                     damping=req.damping, anchor=parse_anchor(req.anchor), anchor_power=req.power,
+                     damping=req.damping, anchor=parse_anchor(req.anchor), anchor_power=req.anchor_power,
                      eval_batches=evaluation,
                      objective=data.eval_objective, calib_device=calib_device)
 

@@ -259,15 +259,6 @@ class PruneRequest:
         return any(a != float("inf") for a in (anchors if isinstance(anchors, tuple) else (anchors,)))
 
     @property
-    def power(self) -> float | None:
-        """The --anchor-power a prune uses: as given; else None with --compensate (the measured default
-        for the calibration's size, which prune picks once it has read it: PruneResult.anchor_power),
-        0 without (no refit to scale)."""
-        if self.anchor_power is not None:
-            return self.anchor_power
-        return None if self.compensate else 0.0
-
-    @property
     def auto_is_obs(self) -> bool:
         """Whether --normalize auto splits the heads by what the refit cannot repair (obs): with a refit
         to ask (--compensate and a finite --anchor), a number of heads and --scope global (the model's
