@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from sample_runs import add_sample_options, document, geomean, removed_per_layer, start  # noqa: E402
+from sample_runs import add_sample_options, document, paired_lines, removed_per_layer, start  # noqa: E402
 
 from headtool.model.loading import model_from_object  # noqa: E402
 from headtool.surgery.prune_defaults import FEW_TOKENS_ANCHOR_POWER, MANY_TOKENS_ANCHOR_POWER  # noqa: E402
@@ -87,10 +87,7 @@ def main() -> None:
                    "anchors": [r.get("anchor") for r in pruned.result.compensation],
                    "eval": run.ratios(plm.model), "score_seconds": round(sample.score_seconds, 1),
                    "prune_seconds": round(time.perf_counter() - t0, 1)}
-            doc["rows"].append(row)
-            run.save(doc)
-            run.clock.log(f"seed {seed} {fraction:.0%} P={power:g}: " + " / ".join(
-                f"{n} {r['ratio']:.4f}x" for n, r in row["eval"].items()))
+            run.add_row(doc, row, f"seed {seed} {fraction:.0%} P={power:g}")
     run.save(doc)
     print(render(doc))
 
@@ -110,28 +107,8 @@ def render(doc: dict) -> str:
                     if r["unit"] == unit and r["fraction"] == fraction}
             powers = [p for p in doc["settings"]["powers"] if any(k[1] == p for k in rows)]
             powers += sorted({k[1] for k in rows} - set(powers))
-            first = powers[0]
-            for p in powers:
-                # the samples measured at this power and at the first (all of the first's own)
-                seeds = sorted(s for s, q in rows if q == p and (s, first) in rows)
-                wins = sum(rows[(s, p)]["eval"][n]["ratio"] < rows[(s, first)]["eval"][n]["ratio"]
-                           for s in seeds for n in order)
-                count = "" if p == first or not seeds else f"{wins} of {len(seeds) * len(order)}"
-                for s in sorted(s for s, q in rows if q == p):
-                    ev = rows[(s, p)]["eval"]
-                    lines.append(f"| {unit} | {fraction:.0%} | {p:g} | {s} | " + " | ".join(
-                        f"{ev[n]['ratio']:.4f}x ± {ev[n]['ratio'] * ev[n]['log_ratio_se']:.4f}" for n in order)
-                        + _last_cell(count if len(seeds) == 1 and s in seeds else ""))
-                if len(seeds) > 1:  # one sample: its row is the mean
-                    lines.append(f"| {unit} | {fraction:.0%} | {p:g} | geometric mean of "
-                                 f"{', '.join(map(str, seeds))} | " + " | ".join(
-                                     f"**{geomean([rows[(s, p)]['eval'][n]['ratio'] for s in seeds]):.4f}x**"
-                                     for n in order) + _last_cell(count))
+            lines += paired_lines(rows, powers, order, lambda p: f"{unit} | {fraction:.0%} | {p:g}")
     return "\n".join(lines)
-
-
-def _last_cell(text: str) -> str:
-    return f" | {text} |" if text else " | |"
 
 
 if __name__ == "__main__":

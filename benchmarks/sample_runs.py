@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import bench_cross_domain as cross
 import torch
@@ -103,6 +103,12 @@ class SampleRun:
             out[n] = {**e, "ratio": e["perplexity"] / self.base[n]["perplexity"], "log_ratio_se": se}
         return out
 
+    def add_row(self, doc: dict, row: dict, label: str) -> None:
+        """Append a measured row, save the document, and log the row's ratios under `label`."""
+        doc["rows"].append(row)
+        self.save(doc)
+        self.clock.log(f"{label}: " + " / ".join(f"{n} {r['ratio']:.4f}x" for n, r in row["eval"].items()))
+
     def save(self, doc: dict) -> None:
         """Write the document as it stands (after every row: a run cut short keeps what it measured)."""
         doc["total_seconds"] = self.clock.seconds()
@@ -143,3 +149,31 @@ def document(run: SampleRun, script: str, calibration: str, **extra: Any) -> dic
 
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def paired_lines(rows: dict, values: list, order: list[str], cells: Callable[[Any], str]) -> list[str]:
+    """Table lines of one paired comparison (rows maps (sample, value) to a row with ratios per set in
+    `order`): every sample's ratios (± one standard error) at every value, then over the samples measured at
+    both that value and the first, the geometric mean and the (sample, set) cells in which it beat the first.
+    `cells(value)` gives the cells before the sample's; one sample carries its count on its own row."""
+    first = values[0]
+    lines = []
+    for x in values:
+        seeds = sorted(s for s, y in rows if y == x and (s, first) in rows)
+        wins = sum(rows[(s, x)]["eval"][n]["ratio"] < rows[(s, first)]["eval"][n]["ratio"]
+                   for s in seeds for n in order)
+        count = "" if x == first or not seeds else f"{wins} of {len(seeds) * len(order)}"
+        for s in sorted(s for s, y in rows if y == x):
+            ev = rows[(s, x)]["eval"]
+            lines.append(f"| {cells(x)} | {s} | " + " | ".join(
+                f"{ev[n]['ratio']:.4f}x ± {ev[n]['ratio'] * ev[n]['log_ratio_se']:.4f}" for n in order)
+                + last_cell(count if len(seeds) == 1 and s in seeds else ""))
+        if len(seeds) > 1:  # one sample: its row is the mean
+            lines.append(f"| {cells(x)} | geometric mean of {', '.join(map(str, seeds))} | " + " | ".join(
+                f"**{geomean([rows[(s, x)]['eval'][n]['ratio'] for s in seeds]):.4f}x**" for n in order)
+                + last_cell(count))
+    return lines
+
+
+def last_cell(text: str) -> str:
+    return f" | {text} |" if text else " | |"
