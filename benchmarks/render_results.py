@@ -664,6 +664,30 @@ def anchor_power_section(doc: dict) -> str:
     ])
 
 
+def convert_anchor_section(doc: dict) -> str:
+    from bench_convert_anchor import KINDS, render
+
+    st = doc["settings"]
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in doc["rows"])]
+    return "\n".join([
+        f"### How freely the conversions' refit may move (`--anchor`): SmolLM2-135M, no training, {st['cal']} "
+        f"calibration blocks, {st['eval']} evaluation blocks a set",
+        "",
+        "After the conversion both commands refit every layer's output projection as ridge toward its weights "
+        "without a refit, at `--anchor` times the Gram's mean diagonal, each layer's refit kept only where it "
+        "lowers the held-out error. Here " + " and ".join(f"`{KINDS[k]}`" for k in kinds)
+        + f" on {st['cal']} blocks of `{st['calibration']}` (calibration sample = `--seed`), the command's "
+        "defaults but for `--anchor`; the anchors of a sample share its calibration and evaluation blocks "
+        "(paired). Ratio to the original ± one standard error over the evaluation blocks; the last column "
+        f"counts the (sample, set) cells in which an anchor beat the first ({st['default_anchor']:g}, the default "
+        "of both commands).",
+        "",
+        render(doc),
+        "",
+        "  \n".join(f"`{c}`" for c in doc.get("commands", [doc["command"]])),
+    ])
+
+
 SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normalize*.json", normalize_section),
             ("cross_domain_protect_*.json", protect_section),
             ("cross_domain_blocks_*.json", calibration_size_section, "one table"),
@@ -674,7 +698,7 @@ SECTIONS = [("cross_domain.json", cross_domain_section), ("cross_domain_normaliz
             ("heal_cross_domain*.json", heal_cross_domain_section),
             ("mla.json", mla_section), ("mla_context*.json", mla_context_section),
             ("mla_calibration*.json", mla_calibration_section),
-            ("mla_rope_sweep*.json", mla_rope_section),
+            ("mla_rope_sweep*.json", mla_rope_section), ("convert_anchor_*.json", convert_anchor_section),
             ("quality.json", quality_section), ("heal.json", heal_section), ("heal-*.json", heal_section),
             ("streaming.json", streaming_section), ("scoring.json", scoring_section), ("speed.json", speed_section)]
 
