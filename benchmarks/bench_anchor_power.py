@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from sample_runs import add_sample_options, document, paired_lines, removed_per_layer, start  # noqa: E402
+from sample_runs import add_sample_options, document, paired_lines, removed_per_layer, resume, start  # noqa: E402
 
 from headtool.model.loading import model_from_object  # noqa: E402
 from headtool.surgery.prune_defaults import FEW_TOKENS_ANCHOR_POWER, MANY_TOKENS_ANCHOR_POWER  # noqa: E402
@@ -58,17 +57,8 @@ def main() -> None:
     defaults = PruneRequest(model=cross.MODEL, compensate=True)
     doc = document(run, "bench_anchor_power.py", CALIBRATION, unit=a.unit, powers=powers, damping=defaults.damping,
                    default_anchor_power=run.default_power)
-    out = Path(a.out)
-    earlier: list[str] = []
-    if out.exists():  # keep what an earlier run of the same settings measured
-        old = json.loads(out.read_text())
-        # the unit too: the file's README section is titled by its one unit
-        same = {k: old["settings"].get(k) for k in ("unit", "cal", "eval", "calibration", "damping")}
-        if same != {k: doc["settings"][k] for k in same}:
-            raise SystemExit(f"{out} was measured with other settings ({same}); give another --out")
-        doc["rows"] = old["rows"]
-        earlier = old.get("commands", [old["command"]])
-    doc["commands"] = [*earlier, doc["command"]]
+    # the unit too: the file's README section is titled by its one unit
+    resume(doc, Path(a.out), ("unit", "cal", "eval", "calibration", "damping"))
     done_keys = {row_key(r) for r in doc["rows"]}
     for seed in run.seeds:
         todo = [(f, p) for f in run.fractions for p in powers if (a.unit, seed, f, p) not in done_keys]

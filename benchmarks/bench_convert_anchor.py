@@ -17,7 +17,6 @@ anchor) are kept, so a long run can be split.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_cross_domain as cross  # noqa: E402
-from sample_runs import add_sample_options, document, paired_lines, start  # noqa: E402
+from sample_runs import add_sample_options, document, paired_lines, resume, start  # noqa: E402
 
 from headtool.surgery.compensation import DEFAULT_ANCHOR  # noqa: E402
 from headtool.workflows.convert_gqa import convert_loaded  # noqa: E402
@@ -68,18 +67,10 @@ def main() -> None:
     run = start(a)
     doc = document(run, "bench_convert_anchor.py", CALIBRATION, kinds=kinds, anchors=anchors,
                    default_anchor=DEFAULT_ANCHOR)
-    out = Path(a.out)
-    earlier: list[str] = []
-    if out.exists():  # keep what an earlier run of the same settings measured
-        old = json.loads(out.read_text())
-        same = {k: old["settings"].get(k) for k in ("cal", "eval", "calibration")}
-        if same != {k: doc["settings"][k] for k in same}:
-            raise SystemExit(f"{out} was measured with other settings ({same}); give another --out")
-        doc["rows"] = old["rows"]
+    old = resume(doc, Path(a.out), ("cal", "eval", "calibration"))
+    if old is not None:  # the table lists the kinds and anchors of every run, the earlier ones first
         doc["settings"]["kinds"] = list(dict.fromkeys(old["settings"]["kinds"] + kinds))
         doc["settings"]["anchors"] = list(dict.fromkeys(old["settings"]["anchors"] + anchors))
-        earlier = old.get("commands", [old["command"]])
-    doc["commands"] = [*earlier, doc["command"]]
     done_keys = {row_key(r) for r in doc["rows"]}
     for seed in run.seeds:
         spec = run.calibration(CALIBRATION, seed)

@@ -147,6 +147,23 @@ def document(run: SampleRun, script: str, calibration: str, **extra: Any) -> dic
             "domains": run.domains, "order": list(run.domains), "base": run.base, "rows": []}
 
 
+def resume(doc: dict, out: Path, same: tuple[str, ...]) -> dict | None:
+    """Keep what an earlier run of the same settings (`same`, keys of settings) wrote to `out`: its rows and
+    the commands that added them, with this run's command last. Returns the earlier document (None: none), or
+    exits where its settings differ."""
+    old = None
+    earlier: list[str] = []
+    if out.exists():
+        old = json.loads(out.read_text())
+        kept = {k: old["settings"].get(k) for k in same}
+        if kept != {k: doc["settings"][k] for k in same}:
+            raise SystemExit(f"{out} was measured with other settings ({kept}); give another --out")
+        doc["rows"] = old["rows"]
+        earlier = old.get("commands", [old["command"]])
+    doc["commands"] = [*earlier, doc["command"]]
+    return old
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 

@@ -45,3 +45,22 @@ def test_the_readme_section_names_the_commands_and_the_default_it_is_set_beside(
     assert "Here `convert-mla --kv-cache 1/3` and `convert-gqa --kv-heads 1 --merge fit` on 64 blocks" in section
     assert "an anchor beat the first (1, the default of both commands)" in section
     assert "`python benchmarks/bench_convert_anchor.py`" in section
+
+
+def test_a_run_resumes_the_rows_and_commands_of_an_earlier_run_of_the_same_settings(tmp_path):
+    """sample_runs.resume (both paired benchmarks): an earlier file of the same settings gives its rows and
+    commands (this run's last); other settings stop the run before it writes anything."""
+    import json
+
+    import pytest
+    from sample_runs import resume
+
+    out = tmp_path / "r.json"
+    assert resume(fresh := {"settings": {"cal": 64}, "command": "c1", "rows": []}, out, ("cal",)) is None
+    assert fresh["commands"] == ["c1"]
+    out.write_text(json.dumps({**fresh, "rows": [{"seed": 0}]}))
+    doc = {"settings": {"cal": 64}, "command": "c2", "rows": []}
+    assert resume(doc, out, ("cal",))["rows"] == [{"seed": 0}]
+    assert doc["rows"] == [{"seed": 0}] and doc["commands"] == ["c1", "c2"]
+    with pytest.raises(SystemExit, match="measured with other settings"):
+        resume({"settings": {"cal": 128}, "command": "c3", "rows": []}, out, ("cal",))
