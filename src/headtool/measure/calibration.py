@@ -17,6 +17,7 @@ from torch import nn
 
 from ..arch import Adapter
 from ..console import progress
+from ..data.batches import real_token_count
 from .layerwise import Replayer, real_tokens, record_inputs
 
 
@@ -30,8 +31,7 @@ def _layer_sums(model: nn.Module, adapter: Adapter, batches: Sequence[dict], lay
     wanted = set(layers)
     inputs = record_inputs(model, adapter, batches, store="cpu" if device is not None else None)
     replay = Replayer(inputs, device)
-    count = sum(float(m.sum()) if m is not None else float(h.shape[0] * h.shape[1])
-                for h, m in zip(inputs.hidden, inputs.masks))
+    count = float(real_token_count(batches))  # the recorded masks are the batches' own
     sums: dict[int, dict[str, torch.Tensor]] = {}
     state: dict = {}
 
