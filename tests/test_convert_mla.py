@@ -464,6 +464,12 @@ def test_a_pruned_model_with_a_head_table_converts_exactly_and_reloads(family, u
     assert _generate(reloaded, ids[:1, :5], 4).tolist() == _generate(ours.model, ids[:1, :5], 4).tolist()
     r = runner.invoke(app, ["info", str(out), "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["num_heads"] == counts
+    # inspect reads it too: every query head of a latent layer shares the latent, one group whatever the
+    # source's groups were (it raised an internal error on the uneven ones)
+    r = runner.invoke(app, ["inspect", str(out), "--data", "builtin:pydoc", "--max-samples", "2", "--seq-len", "16",
+                            "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["kv_groups"]["group_size"] == counts
 
 
 def test_cli_existing_output_refused(tmp_path):

@@ -341,7 +341,7 @@ def inspect_heads(model, adapter: Adapter, batches: Sequence[dict], *, top: int 
         raise UsageError("inspect needs at least one batch of data")
     geometry = adapter.geometry(model.config)
     if latent_spec(model.config):  # every query head reads the one latent: a single "KV group" per layer
-        geometry = [dataclasses.replace(g, num_kv_heads=1) for g in geometry]
+        geometry = [dataclasses.replace(g, num_kv_heads=1, group_sizes=None) for g in geometry]
     accs = [_LayerAcc.new(g) for g in geometry]
     ht = o_weight_tensor(adapter)
     maps = [head_output_maps(model, adapter, i, g) for i, g in enumerate(geometry)]
