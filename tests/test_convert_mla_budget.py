@@ -46,6 +46,42 @@ def test_the_budget_is_met_uniform_below_it_auto_exactly(tmp_path, fraction):
         assert "KV cache budget" in r.stderr
 
 
+def test_ranks_for_a_budget_stay_within_each_layers_full_rank():
+    """A prune can leave layers with fewer KV heads (full rank 2 x KV heads x head_dim): uniform stops at
+    a small layer's full rank, auto's start spreads the whole total within every layer's."""
+    from headtool.arch import LayerHeads
+
+    geometry = [LayerHeads(3, 3, 8), LayerHeads(2, 2, 8), LayerHeads(4, 4, 8)]  # full ranks 48, 32, 64
+    assert L.ranks_for_budget(geometry, 0.75, 0) == [36, 32, 36]
+    start = L.ranks_for_budget(geometry, 0.75, 0, "auto")
+    assert sum(start) == 108 and all(r <= top for r, top in zip(start, (48, 32, 64))), start
+    assert L.ranks_for_budget(geometry, 1.0, 0, "auto") == [48, 32, 64]
+    assert L.ranks_for_budget(geometry[:1] * 3, 0.5, 0, "auto") == [24, 24, 24]
+
+
+@pytest.mark.parametrize("alloc", ["uniform", "auto"])
+def test_a_budget_converts_a_prune_that_left_layers_different_kv_heads(tmp_path, alloc):
+    """GPT-2 pruned to 3 / 2 / 4 heads (each its own KV head): --kv-cache 0.75 asked a uniform 36 of
+    the 2-head layer, whose full rank is 32, and refused it as '--kv-rank 36' (never given); auto's
+    even start did the same before its allocation ran."""
+    src = save_tiny("gpt2", tmp_path / "src")
+    pruned = tmp_path / "pruned"
+    assert runner.invoke(app, ["prune", str(src), "--heads", "0:0;1:1,2", "-o", str(pruned)]).exit_code == 0
+    r = runner.invoke(app, ["convert-mla", str(pruned), "--kv-cache", "0.75", "--rank-allocation", alloc,
+                            "--max-samples", "4", "--seq-len", "16", "--no-refit", "-o", str(tmp_path / "mla"),
+                            "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    today = (3 + 2 + 4) * 2 * 8 * 4
+    assert doc["before"]["kv_cache_bytes_per_token"] == today
+    assert doc["after"]["kv_cache_bytes_per_token"] == sum(doc["kv_rank"]) * 4 <= 0.75 * today
+    assert all(k <= top for k, top in zip(doc["kv_rank"], (48, 32, 64)))
+    if alloc == "auto":
+        assert sum(doc["kv_rank"]) == 108
+    else:
+        assert doc["kv_rank"] == [36, 32, 36]
+
+
 def test_a_ratio_is_an_exact_budget_where_its_decimal_falls_short(tmp_path):
     """--kv-cache 1/3 is a third of the cache to the byte; 0.3333 is a little less (never exceeded)."""
     src = save_tiny("llama", tmp_path / "src")

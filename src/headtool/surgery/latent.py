@@ -373,9 +373,12 @@ def budget_dims(geometry: Sequence[LayerHeads], fraction: float) -> int:
     return int(math.floor(fraction * today + 1e-9))
 
 
-def ranks_for_budget(geometry: Sequence[LayerHeads], fraction: float, rope_dim: int) -> tuple[int, int]:
-    """(uniform kv_rank, total latent dims) that `--kv-cache fraction` allows with `rope_dim`: the
-    total is what auto allocation spreads (the budget met exactly); uniform takes total // layers."""
+def ranks_for_budget(geometry: Sequence[LayerHeads], fraction: float, rope_dim: int,
+                     allocation: str = "uniform") -> list[int]:
+    """kv_rank per layer that `--kv-cache fraction` allows with `rope_dim`. uniform: total // layers
+    in every layer, or a layer's full rank where that is less (a prune can leave layers with fewer KV
+    heads); auto: the whole total, split as evenly as the layers' full ranks allow, which is only the
+    start auto allocation re-spreads by measured error (the budget met exactly)."""
     n = len(geometry)
     total = budget_dims(geometry, fraction) - n * rope_dim
     if total < n:
@@ -383,7 +386,15 @@ def ranks_for_budget(geometry: Sequence[LayerHeads], fraction: float, rope_dim: 
         raise UsageError(f"--kv-cache {fraction:g}: {budget_dims(geometry, fraction)} cache dims per token for "
                          f"{n} layers cannot hold --rope-dim {rope_dim} plus a latent of at least 1 in every layer "
                          f"(today {today}); raise --kv-cache or lower --rope-dim")
-    return total // n, total
+    tops = [latent_dims(g, 0, rope_dim) for g in geometry]
+    if allocation == "uniform":
+        return [min(total // n, top) for top in tops]
+    ranks = [0] * n
+    left = min(total, sum(tops))
+    for k, i in enumerate(sorted(range(n), key=tops.__getitem__)):  # the smallest layers first
+        ranks[i] = min(tops[i], -(-left // (n - k)))
+        left -= ranks[i]
+    return ranks
 
 
 def allocate_ranks(spectra: Sequence[torch.Tensor], total: int, minimum: int = 1) -> list[int]:

@@ -91,10 +91,7 @@ def latent_target(lm: LoadedModel, req: LatentRequest, geometry=None) -> tuple[l
     kv_rank: int | list[int] = req.kv_rank if req.kv_rank is not None else 1
     if req.kv_cache is not None:
         check_latent_target(lm.adapter, lm.config, geometry, 1, rope_dim)  # family and rope_dim first
-        uniform, total = ranks_for_budget(geometry, req.kv_cache, rope_dim)
-        n = len(geometry)  # auto spreads the whole budget (this start is only its total)
-        kv_rank = uniform if req.rank_allocation == "uniform" else \
-            [total // n + (i < total % n) for i in range(n)]
+        kv_rank = ranks_for_budget(geometry, req.kv_cache, rope_dim, req.rank_allocation)
     return check_latent_target(lm.adapter, lm.config, geometry, kv_rank, rope_dim), rope_dim
 
 

@@ -349,7 +349,8 @@ class LatentRequest:
                                           "today's KV-cache bytes per token, as a ratio or a decimal (1/3: the MQA "
                                           "cache of a 3-KV-head model; the budget is never exceeded, so 0.33 is a "
                                           "little less)", parse=parse_budget)
-    rank_allocation: str = option("uniform", "uniform (the same kv_rank in every layer) | auto (the same total, "
+    rank_allocation: str = option("uniform", "uniform (the same kv_rank in every layer, or a layer's full rank "
+                                  "where that is less) | auto (the same total, "
                                   "a different kv_rank per layer: each latent dim goes to the layer whose weighted "
                                   "error it lowers most, from the calibration spectra)", choices=RANK_ALLOCATIONS)
     rope_dim: int | None = option(None, "dims of the rotary key shared by all query heads (even); default with "
