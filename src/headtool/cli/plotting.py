@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 from ..errors import UsageError
+from ..io.files import check_output_path, write_file
 
 # Grids up to this many cells get their values written in them.
 ANNOTATE_MAX_CELLS = 400
@@ -34,11 +33,7 @@ def plot_heatmap(matrix: Sequence[Sequence[float]], path: str, *, title: str, co
     plt = _pyplot()
     import numpy as np
 
-    target = Path(path)
-    if not target.suffix:
-        raise UsageError(f"--plot {path}: give a file name with a picture suffix, e.g. {path}.png")
-    if not target.parent.exists():
-        raise UsageError(f"--plot {path}: folder {target.parent} does not exist")
+    target = check_plot_file(path)
     rows, cols = len(matrix), max((len(r) for r in matrix), default=0)
     grid = np.full((rows, cols), np.nan)
     for i, r in enumerate(matrix):
@@ -68,21 +63,23 @@ def plot_heatmap(matrix: Sequence[Sequence[float]], path: str, *, title: str, co
     for i, j in marked:
         ax.plot([j], [i], marker="x", color="red", markersize=7, mew=1.5)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, target)
-    except ValueError as e:  # unknown picture format
-        os.unlink(tmp)
-        raise UsageError(f"--plot {path}: {str(e).splitlines()[0]}") from None
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        write_file(target, lambda name: fig.savefig(name, format=target.suffix[1:].lower()), suffix=target.suffix)
     finally:
         plt.close(fig)
     return str(target)
+
+
+def check_plot_file(path: str, inputs: Sequence[str | None] = ()) -> Path:
+    """A --plot picture's path, or a UsageError before any work: a picture suffix matplotlib writes,
+    in a folder that exists, not inside an input (io.files.check_output_path)."""
+    target = check_output_path(path, "--plot", inputs)
+    formats = _pyplot().figure().canvas.get_supported_filetypes()
+    _pyplot().close("all")
+    if target.suffix[1:].lower() not in formats:
+        raise UsageError(f"--plot {path}: give a file name with a picture suffix ({', '.join(sorted(formats))}), "
+                         f"e.g. {target.with_suffix('.png')}")
+    return target
 
 
 def _fmt(v: float) -> str:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -79,28 +77,16 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 def write_document(doc: dict[str, Any], path: str | None) -> None:
-    """To `path` atomically (temp file beside it, then rename), or to stdout for None / '-'."""
+    """To `path` (atomically where it is a file: io.files.write_file), or to stdout for None / '-'."""
     text = dumps(doc)
     if path is None or path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"-o {path}: is a folder; give a file name such as {target / 'scores.json'}")
-    if not target.parent.exists():
-        raise UsageError(f"-o {path}: folder {target.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    from ..io.files import check_output_path, write_text
+
+    check_output_path(path, "-o")
+    write_text(path, text)
 
 
 # --------------------------------------------------------------------------- reading

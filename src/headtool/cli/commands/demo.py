@@ -11,7 +11,8 @@ from ..options import JsonOpt
 
 def demo_cmd(
     output_dir: Annotated[str, typer.Option("-o", "--output-dir", help="folder for the demo's outputs")] = "headtool-demo",
-    overwrite: Annotated[bool, typer.Option("--overwrite/--no-overwrite", help="replace an earlier demo's output")] = True,
+    overwrite: Annotated[bool, typer.Option("--overwrite/--no-overwrite", help="replace an earlier demo's outputs "
+                                            "(never anything else: a folder holding other files is refused)")] = True,
     json_out: JsonOpt = False,
 ) -> None:
     """The whole pipeline on a real pretrained model that needs no hub (SmolLM2-135M from the
@@ -30,8 +31,7 @@ def demo_cmd(
     from .run import render_summary
 
     out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"-o {out}: exists and is not a folder")
+    check_demo_folder(out, overwrite)
     packaged_path("smollm2-135m")  # a clear "pip install ..." line when the package is missing
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -54,6 +54,47 @@ def demo_cmd(
     info(outputs_line(out, result))
     if json_out:
         print_json(result)
+
+
+DEMO_OUTPUTS = ("model", "scores.json")
+
+
+def check_demo_folder(out, overwrite: bool) -> None:
+    """The demo replaces only what an earlier demo wrote: a folder that holds anything else (a model,
+    the user's files) is refused, and an earlier demo's outputs without --overwrite (exit 2)."""
+    import json
+
+    from ...errors import UsageError
+
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out}: exists and is not a folder")
+    if not out.exists():
+        return
+    # hidden leftovers of an interrupted demo's atomic writes are its own too
+    entries = [p for p in out.iterdir() if not p.name.startswith(tuple(f".{n}." for n in DEMO_OUTPUTS))]
+    foreign = sorted(p.name for p in entries if p.name not in DEMO_OUTPUTS)
+
+    def demo_model(folder) -> bool:
+        try:
+            return json.loads((folder / "headtool.json").read_text())["recipe"]["name"] == "demo"
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    model, scores = out / "model", out / "scores.json"
+    if model.exists() and not demo_model(model):
+        foreign.insert(0, "model/ (not a demo's model)")
+    if scores.exists():
+        try:
+            if not str(json.loads(scores.read_text()).get("format", "")).startswith("headtool.scores"):
+                raise ValueError
+        except (OSError, ValueError, AttributeError):
+            foreign.insert(0, "scores.json (not a score document)")
+    if foreign:
+        raise UsageError(f"-o {out}: holds what no earlier demo wrote ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); choose a new or empty folder (the demo replaces "
+                         "only its own outputs)")
+    if entries and not overwrite:
+        raise UsageError(f"-o {out}: an earlier demo's outputs are there; leave out --no-overwrite to replace them")
 
 
 def outputs_line(out, result: dict) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -117,25 +118,34 @@ def inspect_cmd(
     Eager attention on real batches (default: 16 blocks of builtin:pydoc). Numbers only.
     Example: headtool inspect smollm2-135m --json --plot inspect_png --heads "3:1,5;7:0"
     """
-    from ...data.sources import DataSpec
+    from ...data.sources import DataSpec, parse_sources
+    from ...io.files import check_output_path
     from ...workflows.inspect import InspectRequest, run_inspect
 
     req = InspectRequest(model, top=top, pattern_heads=heads, data=data_spec or DataSpec(), load=load)
     req.validate()
-    if (heads or text) and plot is None:
+    if (heads or text is not None) and plot is None:
         raise UsageError("--heads/--text draw attention patterns and need --plot DIR")
+    if text is not None and not text.strip():
+        raise UsageError("--text is empty")
     if plot is not None:
         from ..plotting import _pyplot
 
         _pyplot()  # fail before the work when matplotlib is missing
-        if plot.exists() and not plot.is_dir():
-            raise UsageError(f"--plot {plot}: exists and is not a folder")
+        check_output_path(plot, "--plot", [model, *(part.source for part in parse_sources(req.data.source))],
+                          folder=True)
     run = run_inspect(req)
     doc, lm, chosen = run.document, run.loaded, run.pattern_heads
     _render_tables(doc)
     if plot is not None:
+        created = not plot.exists()
         plot.mkdir(parents=True, exist_ok=True)
-        doc["plots"] = _write_plots(plot, doc, lm, run.batches, chosen, text)
+        try:
+            doc["plots"] = _write_plots(plot, doc, lm, run.batches, chosen, text)
+        except BaseException:
+            if created:  # a folder this run made holds no half set of pictures
+                shutil.rmtree(plot, ignore_errors=True)
+            raise
         info(f"wrote {len(doc['plots'])} PNG files to {plot}")
     if json_out:
         print_json(doc)

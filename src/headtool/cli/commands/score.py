@@ -1,13 +1,11 @@
 """`headtool score`: the importance of every attention head, as a JSON score document."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ...data.sources import AUTO_SOURCE
-from ...errors import UsageError
+from ...data.sources import AUTO_SOURCE, parse_sources
 from ...workflows.requests import ScoreRequest, calibration_data
 from ..options import LoadOptions, command_options, data_options, model_options
 
@@ -29,6 +27,7 @@ def score_cmd(
     Pipe it into prune: headtool score m --data d | headtool prune m --scores - --fraction 0.3 -o out
     """
     from ...console import err_console, info
+    from ...io.files import check_output_path
     from ...measure.scores_doc import write_document
     from ...workflows.score import run_score
     from ..render import heatmap_table
@@ -36,13 +35,13 @@ def score_cmd(
     req = ScoreRequest(**fields, data=data_spec or calibration_data(), load=load)
     req.validate()
     model, output = req.model, req.output
+    inputs = [model, *(part.source for part in parse_sources(req.data.source))] if req.data else [model]
     if output and output != "-":
-        _check_writable(output, "-o")
+        check_output_path(output, "-o", inputs)
     if plot:
-        _check_writable(plot, "--plot")
-        from ..plotting import _pyplot
+        from ..plotting import check_plot_file
 
-        _pyplot()
+        check_plot_file(plot, inputs)  # needs matplotlib, and a format it writes
     run = run_score(req)
     if run.document is None:
         return  # not rank 0 of a distributed run
@@ -62,14 +61,6 @@ def score_cmd(
     write_document(doc, output)
     if output and output != "-":
         info(f"scores written to {output}")
-
-
-def _check_writable(path: str, opt: str) -> None:
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"{opt} {path}: is a folder; give a file name")
-    if not p.parent.exists():
-        raise UsageError(f"{opt} {path}: folder {p.parent} does not exist")
 
 
 def _fmt_for(matrix) -> str:

@@ -1,0 +1,97 @@
+"""Output files and plot folders (score documents, heatmaps, inspect's pictures): where an option may
+write and how a file is written, so that nothing the user owns is modified by accident.
+
+A file option may replace a file of its own (as a shell redirection does), but never a file inside an
+input model folder, never an input file itself (a --data file), and never a folder. Writing goes
+through a symlink to its target (the link stays) and straight into a device or pipe (/dev/null,
+/dev/stdout), which a rename over them would replace; a regular file is written beside its place and
+renamed over it, keeping the mode the file had.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..errors import UsageError
+
+
+def _resolved(path: str | os.PathLike) -> Path:
+    return Path(os.path.expanduser(str(path))).resolve()
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def check_output_path(path: str | os.PathLike, opt: str, inputs: Iterable[str | os.PathLike | None] = (),
+                      *, folder: bool = False) -> Path:
+    """The path `opt` names, or a UsageError naming what is wrong (call it before any work): not inside
+    an input model folder nor an input file of `inputs` (those that are local paths), a folder for a
+    folder option and none for a file option, in a folder that exists and can be written."""
+    target = Path(os.path.expanduser(str(path)))
+    real = target.resolve()
+    for given in inputs:
+        if not given or not Path(os.path.expanduser(str(given))).exists():
+            continue
+        src = _resolved(given)
+        if src.is_dir() and _inside(real, src):
+            raise UsageError(f"{opt} {path}: lies inside the input model folder {src}; choose a place outside "
+                             "it (the input is never modified)")
+        if not src.is_dir() and real == src:
+            raise UsageError(f"{opt} {path}: is an input of this command ({given}); choose another file")
+    if folder:
+        if target.exists() and not target.is_dir():
+            raise UsageError(f"{opt} {path}: exists and is not a folder")
+        return target
+    if target.is_dir():
+        raise UsageError(f"{opt} {path}: is a folder; give a file name")
+    parent = real.parent
+    if not parent.exists():
+        raise UsageError(f"{opt} {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{opt} {path}: {parent} is not a folder")
+    if not real.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{opt} {path}: cannot write into {parent} (permission denied)")
+    return target
+
+
+def _default_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def write_file(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> None:
+    """Call `write(name)` to make the file at `path`: into a temporary file beside it (named with
+    `suffix`, which a writer may read the format from) that then replaces it, or, where `path` is a
+    device or a pipe, into `path` itself. A symlink is followed; the file keeps its mode."""
+    real = Path(os.path.realpath(os.path.expanduser(str(path))))
+    if real.exists() and not real.is_file():  # a character device or a FIFO: nothing to replace
+        write(str(real))
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=suffix, dir=real.parent)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write into {real.parent} ({e.strerror or e})") from None
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, stat.S_IMODE(real.stat().st_mode) if real.exists() else _default_mode())
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """`text` (UTF-8) to `path` as `write_file` writes."""
+    def write(name: str) -> None:
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    write_file(path, write)

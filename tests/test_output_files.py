@@ -1,0 +1,141 @@
+"""Nothing the user owns is modified by a file output: score -o / --plot, inspect --plot and the demo's
+folder never write into an input model or over an input file, write through symlinks and devices instead
+of replacing them, and check what they can before the work (an audit found each of these broken)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from headtool.cli.app import app
+from headtool.errors import UsageError
+from headtool.io.files import check_output_path, write_text
+from tiny_models import save_tiny
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("outputs")
+    import pydoc_data.topics as t
+
+    (root / "text.txt").write_text("\n\n".join(list(t.topics.values())[:20]))
+    save_tiny("llama", root / "m")
+    return root
+
+
+def _data(root: Path) -> list[str]:
+    return ["--data", str(root / "text.txt"), "--seq-len", "16", "--max-samples", "2", "--batch-size", "2"]
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_score_never_writes_into_the_model_or_over_its_data(folder):
+    before, text = _tree(folder / "m"), (folder / "text.txt").read_bytes()
+    for out, needle in ((folder / "m" / "config.json", "inside the input model folder"),
+                        (folder / "text.txt", "is an input of this command")):
+        r = runner.invoke(app, ["score", str(folder / "m"), *_data(folder), "-o", str(out)])
+        assert r.exit_code == 2 and needle in r.stderr, r.stderr
+    r = runner.invoke(app, ["score", str(folder / "m"), *_data(folder), "-o", str(folder / "s.json"),
+                            "--plot", str(folder / "m" / "heat.png")])
+    assert r.exit_code == 2 and "inside the input model folder" in r.stderr
+    assert _tree(folder / "m") == before and (folder / "text.txt").read_bytes() == text
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_scoring(folder):
+    pytest.importorskip("matplotlib")
+    out = folder / "fmt.json"
+    r = runner.invoke(app, ["score", str(folder / "m"), *_data(folder), "-o", str(out), "--plot",
+                            str(folder / "heat.xyz")])
+    assert r.exit_code == 2 and "picture suffix" in r.stderr and "heat.png" in r.stderr
+    assert not out.exists() and "baseline loss" not in r.stderr  # refused before the scoring pass
+
+
+def test_score_writes_through_a_symlink_and_keeps_the_files_mode(folder):
+    target, link = folder / "target.json", folder / "link.json"
+    target.write_text("{}")
+    os.chmod(target, 0o640)
+    link.symlink_to(target.name)
+    r = runner.invoke(app, ["score", str(folder / "m"), *_data(folder), "-o", str(link)])
+    assert r.exit_code == 0, r.stderr
+    assert link.is_symlink() and json.loads(target.read_text())["format"].startswith("headtool.scores")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+
+
+def test_a_pipe_is_written_into_not_replaced(tmp_path):
+    """-o /dev/stdout or a FIFO: a rename over it replaced the device node (as root, /dev/null too)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_text(fifo, "through the pipe\n")
+    reader.join(timeout=10)
+    assert got == ["through the pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_a_new_file_gets_the_umask_mode_not_a_private_one(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        write_text(tmp_path / "new.json", "{}")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+
+
+def test_output_paths_under_a_file_or_in_a_missing_folder_are_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match="is not a folder"):
+        check_output_path(tmp_path / "afile" / "x.json", "-o")
+    with pytest.raises(UsageError, match="does not exist"):
+        check_output_path(tmp_path / "nope" / "x.json", "-o")
+    with pytest.raises(UsageError, match="is a folder"):
+        check_output_path(tmp_path, "-o")
+
+
+def test_inspect_plots_never_go_into_the_model_and_an_empty_text_is_refused_first(folder):
+    pytest.importorskip("matplotlib")
+    before = _tree(folder / "m")
+    r = runner.invoke(app, ["inspect", str(folder / "m"), *_data(folder), "--plot", str(folder / "m")])
+    assert r.exit_code == 2 and "inside the input model folder" in r.stderr
+    plots = folder / "plots"
+    r = runner.invoke(app, ["inspect", str(folder / "m"), *_data(folder), "--plot", str(plots), "--heads", "0:0",
+                            "--text", " "])
+    assert r.exit_code == 2 and "--text is empty" in r.stderr
+    assert not plots.exists() and "entropy" not in r.stderr  # before the work, and no half folder
+    assert _tree(folder / "m") == before
+
+
+def test_the_demo_replaces_only_an_earlier_demos_outputs(tmp_path):
+    from headtool.cli.commands.demo import check_demo_folder
+
+    check_demo_folder(tmp_path / "new", True)  # nothing there yet
+    earlier = tmp_path / "earlier"
+    (earlier / "model").mkdir(parents=True)
+    (earlier / "model" / "headtool.json").write_text(json.dumps({"recipe": {"name": "demo"}}))
+    (earlier / "scores.json").write_text(json.dumps({"format": "headtool.scores/1"}))
+    check_demo_folder(earlier, True)
+    with pytest.raises(UsageError, match="leave out --no-overwrite"):
+        check_demo_folder(earlier, False)
+    (earlier / "MYNOTES.txt").write_text("mine")
+    with pytest.raises(UsageError, match="MYNOTES.txt"):
+        check_demo_folder(earlier, True)
+    mine = tmp_path / "mine"
+    save_tiny("llama", mine / "model")  # someone's model where the demo would put its own
+    with pytest.raises(UsageError, match="not a demo's model"):
+        check_demo_folder(mine, True)
+    (tmp_path / "scores_only").mkdir()
+    (tmp_path / "scores_only" / "scores.json").write_text('{"my": 1}')
+    with pytest.raises(UsageError, match="not a score document"):
+        check_demo_folder(tmp_path / "scores_only", True)
+    r = runner.invoke(app, ["demo", "-o", str(mine)])  # the command refuses it before loading anything
+    assert r.exit_code == 2 and "no earlier demo wrote" in r.stderr
+    assert (mine / "model" / "config.json").exists()
