@@ -342,6 +342,7 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
      ("--text-column",)),
     ("data-label-column-missing", lambda e: ["score", e.m(), "--data", e.file("d.csv", "a,b\nx y,2\n"),
                                              "--text-column", "a", "--label-column", "zz"], ("zz",)),
+    ("data-self-not-a-count", lambda e: ["score", e.m(), "--data", "self:abc"], ("self:abc",)),  # no emoji
     ("seq-len-0", lambda e: ["score", e.m(), "--seq-len", "0"], ("--seq-len",)),
     ("batch-size-0", lambda e: ["score", e.m(), "--batch-size", "0"], ("--batch-size",)),
     ("score-method-unknown", lambda e: ["score", e.m(), "--method", "bogus"], ("--method",)),
@@ -478,9 +479,9 @@ def test_disk_full_while_writing(where: str, base: Path, tmp_path: Path, monkeyp
 
 def test_disk_full_writing_scores(base: Path, tmp_path: Path, monkeypatch) -> None:
     """The score document is written atomically too: a failed write leaves no file."""
-    import headtool.measure.scores_doc as sd
+    import headtool.io.files as files
 
-    monkeypatch.setattr(sd.os, "replace", _enospc)
+    monkeypatch.setattr(files.os, "replace", _enospc)
     out = tmp_path / "s.json"
     r = invoke(["score", str(base / "llama"), "--method", "magnitude", "-o", str(out)])
     line = error_line(r.stderr, first=False)

@@ -28,7 +28,7 @@ def err_console() -> Console:
     global _err
     if _err is None:
         _err = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None,
-                       highlight=False, soft_wrap=False)
+                       highlight=False, soft_wrap=False, emoji=False)  # ":abc:" in a user's text stays
         if not _err.is_terminal and not os.environ.get("COLUMNS"):
             _err.width = 120  # logs and pipes: wide enough for the tables
     return _err
