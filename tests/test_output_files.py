@@ -139,3 +139,29 @@ def test_the_demo_replaces_only_an_earlier_demos_outputs(tmp_path):
     r = runner.invoke(app, ["demo", "-o", str(mine)])  # the command refuses it before loading anything
     assert r.exit_code == 2 and "no earlier demo wrote" in r.stderr
     assert (mine / "model" / "config.json").exists()
+
+
+def test_labels_need_a_classification_model(tmp_path):
+    """--label-column on a causal LM made the objective 'classification' and crashed on the LM's token
+    logits (internal error: 'Expected target size [4, 400], got [4]'); a sequence-classification model
+    scores with it, and a column that is not there is named."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tiny_models import tiny_config, tokenizer_for
+
+    rows = "\n".join(f"sentence number {i} is here and long enough,{i % 2}" for i in range(40))
+    data = tmp_path / "lab.csv"
+    data.write_text("text,label\n" + rows + "\n")
+    causal = save_tiny("llama", tmp_path / "causal")
+    args = ["--data", str(data), "--label-column", "label", "--seq-len", "16", "--max-samples", "4"]
+    for cmd in (["score", str(causal)], ["eval", str(causal)]):
+        r = runner.invoke(app, [*cmd, *args])
+        assert r.exit_code == 2 and "classification model" in r.stderr and "internal" not in r.stderr, r.stderr
+    classifier = tmp_path / "classifier"
+    AutoModelForSequenceClassification.from_config(tiny_config("bert", num_labels=2)).save_pretrained(classifier)
+    tokenizer_for("bert").save_pretrained(classifier)
+    r = runner.invoke(app, ["score", str(classifier), *args])
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["objective"] == "classification"
+    r = runner.invoke(app, ["score", str(classifier), *args[:2], "--label-column", "zz", *args[4:]])
+    assert r.exit_code == 2 and "zz" in r.stderr

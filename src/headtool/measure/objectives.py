@@ -22,9 +22,12 @@ def resolve_objective(objective: str, task: str, label_column: str | None = None
     if objective not in OBJECTIVES:
         raise UsageError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
     if objective == "auto":
-        if label_column or task == "classification":
-            return "classification"
-        return {"causal-lm": "lm", "masked-lm": "mlm"}.get(task, "kl")
+        natural = {"causal-lm": "lm", "masked-lm": "mlm", "classification": "classification"}.get(task, "kl")
+        if label_column and natural != "classification":  # the labels would meet a head that predicts tokens
+            raise UsageError(f"--label-column {label_column}: labels are scored by a classification model, but this "
+                             f"model is {task!r}; leave --label-column out (objective {natural}) or use a "
+                             "sequence-classification model")
+        return natural
     needs = {"lm": "causal-lm", "mlm": "masked-lm", "classification": "classification"}
     if objective in needs and task != needs[objective]:
         raise UsageError(f"objective {objective!r} needs a {needs[objective]} model, but this model is "
