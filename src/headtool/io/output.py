@@ -9,6 +9,7 @@ model card.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -72,8 +73,11 @@ def check_output_target(out: str | os.PathLike, source_path: str | os.PathLike |
         if parent.exists():
             if not parent.is_dir():
                 raise UsageError(f"-o {out}: {parent} is not a folder")
-            if not os.access(parent, os.W_OK):
-                raise UsageError(f"-o {out}: cannot write into {parent} (permission denied)")
+            try:  # a real probe: root passes os.access on read-only and virtual file systems (/proc)
+                os.rmdir(tempfile.mkdtemp(prefix=".headtool-probe-", dir=parent))
+            except OSError as e:
+                reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else (e.strerror or str(e))
+                raise UsageError(f"-o {out}: cannot write into {parent} ({reason})") from None
             break
     return target
 
