@@ -165,3 +165,9 @@ def test_labels_need_a_classification_model(tmp_path):
     assert json.loads(r.stdout)["objective"] == "classification"
     r = runner.invoke(app, ["score", str(classifier), *args[:2], "--label-column", "zz", *args[4:]])
     assert r.exit_code == 2 and "zz" in r.stderr
+
+
+def test_a_score_document_where_nothing_can_be_written_is_refused_before_scoring(folder):
+    """As root os.access passes on /proc; the write failed after the scoring pass."""
+    r = runner.invoke(app, ["score", str(folder / "m"), *_data(folder), "-o", "/proc/headtool-scores.json"])
+    assert r.exit_code == 2 and "cannot write into /proc" in r.stderr and "baseline loss" not in r.stderr

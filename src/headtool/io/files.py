@@ -10,6 +10,7 @@ renamed over it, keeping the mode the file had.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -54,9 +55,21 @@ def check_output_path(path: str | os.PathLike, opt: str, inputs: Iterable[str | 
         raise UsageError(f"{opt} {path}: folder {parent} does not exist")
     if not parent.is_dir():
         raise UsageError(f"{opt} {path}: {parent} is not a folder")
-    if not real.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{opt} {path}: cannot write into {parent} (permission denied)")
+    if not real.exists() or real.is_file():  # a device or pipe is written into, not beside
+        probe_writable(parent, f"{opt} {path}")
     return target
+
+
+def probe_writable(folder: Path, what: str) -> None:
+    """A UsageError unless a file can be made in `folder`: tried for real, since as root os.access
+    passes on read-only and virtual file systems (/proc), where the write would fail after the work."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".headtool-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else (e.strerror or str(e))
+        raise UsageError(f"{what}: cannot write into {folder} ({reason})") from None
 
 
 def _default_mode() -> int:

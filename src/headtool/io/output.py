@@ -9,7 +9,6 @@ model card.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
+from .files import probe_writable
 from .provenance import RECORD, card_lines
 from .sizes import parse_size
 
@@ -73,11 +73,7 @@ def check_output_target(out: str | os.PathLike, source_path: str | os.PathLike |
         if parent.exists():
             if not parent.is_dir():
                 raise UsageError(f"-o {out}: {parent} is not a folder")
-            try:  # a real probe: root passes os.access on read-only and virtual file systems (/proc)
-                os.rmdir(tempfile.mkdtemp(prefix=".headtool-probe-", dir=parent))
-            except OSError as e:
-                reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else (e.strerror or str(e))
-                raise UsageError(f"-o {out}: cannot write into {parent} ({reason})") from None
+            probe_writable(parent, f"-o {out}")
             break
     return target
 
