@@ -79,7 +79,8 @@ def test_eval_speed_cli(two_llamas):
 @pytest.mark.parametrize("extra,message", [
     (["--speed", "--context", "200"], "exceeds the model's 128 positions"),
     (["--speed", "--repeats", "0"], "--repeats must be at least 1"),
-    (["--batch", "2"], "only apply with --speed"),
+    (["--batch", "2"], "--batch only applies with --speed"),
+    (["--batch", "2", "--context", "64"], "--batch, --context only apply with --speed"),
 ])
 def test_eval_speed_bad_input_exits_2(two_llamas, extra, message):
     res = runner.invoke(app, ["eval", str(two_llamas[0]), *extra])

@@ -219,7 +219,7 @@ def eval_cmd(
         return
     given = [f"--{k.replace('_', '-')}" for k, v in speed_opts.items() if v is not None]
     if given:
-        raise UsageError(f"{', '.join(given)} only apply with --speed")
+        raise UsageError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --speed")
 
     from ..workflows.evaluate import run_eval
     from .render import eval_table
