@@ -491,24 +491,39 @@ def plan_layers(model, adapter: Adapter, n: int, grouping: str, method: str,
     if grouping == "similarity" and grams is None:
         raise UsageError("--grouping similarity needs calibration data (--data)")
     geometry = adapter.geometry(model.config)
+    if grouping == "contiguous":
+        return contiguous_plans(geometry, n)
     state = model.state_dict()
     plans = []
     for i, geo in enumerate(geometry):
-        if not merges(geo, n):  # already n KV heads or fewer: stays as it is
-            plans.append(LayerPlan([tuple(geo.query_heads_of(k)) for k in range(geo.num_kv_heads)], geo,
-                                   list(range(geo.num_heads)), merged=False))
+        if not merges(geo, n):
+            plans.append(unmerged_plan(geo))
             continue
-        if grouping == "contiguous":
-            groups = contiguous_groups(geo, n)
-        else:
-            b = read_blocks(state, adapter, adapter.layer_prefix(model, i), geo)
-            rot = adapter.rotary_dim(model.config, geo.head_dim)
-            aligned = method != "mean"
-            groups = similarity_groups(b, geo, n, grams[i], rot, k_aligned=aligned and not adapter.qk_norm,
-                                       v_aligned=aligned)
-        plans.append(LayerPlan(groups, LayerHeads(geo.num_heads, n, geo.head_dim),
-                               [h for g in groups for h in g]))
+        b = read_blocks(state, adapter, adapter.layer_prefix(model, i), geo)
+        rot = adapter.rotary_dim(model.config, geo.head_dim)
+        aligned = method != "mean"
+        groups = similarity_groups(b, geo, n, grams[i], rot, k_aligned=aligned and not adapter.qk_norm,
+                                   v_aligned=aligned)
+        plans.append(merged_plan(geo, n, groups))
     return plans
+
+
+def unmerged_plan(geo: LayerHeads) -> LayerPlan:
+    """A layer with the target's KV heads or fewer: it stays as it is."""
+    return LayerPlan([tuple(geo.query_heads_of(k)) for k in range(geo.num_kv_heads)], geo,
+                     list(range(geo.num_heads)), merged=False)
+
+
+def merged_plan(geo: LayerHeads, n: int, groups: list[tuple[int, ...]]) -> LayerPlan:
+    """A layer merged into `groups` (n of them), its query heads in group order."""
+    return LayerPlan(groups, LayerHeads(geo.num_heads, n, geo.head_dim), [h for g in groups for h in g])
+
+
+def contiguous_plans(geometry: Sequence[LayerHeads], n: int) -> list[LayerPlan]:
+    """Every layer's plan for contiguous grouping: from the geometry alone, so that the streamed
+    conversion (no model) records the same groups and head order as the in-memory one."""
+    return [merged_plan(geo, n, contiguous_groups(geo, n)) if merges(geo, n) else unmerged_plan(geo)
+            for geo in geometry]
 
 
 def mean_layer_tensors(tensors: Mapping[str, torch.Tensor], adapter: Adapter, prefix: str, geo: LayerHeads,

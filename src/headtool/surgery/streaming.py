@@ -14,23 +14,22 @@ from typing import Any, Callable
 
 import torch
 
-from ..arch import Adapter, LayerHeads, adapter_for
+from ..arch import LAYOUT_KEY, Adapter, LayerHeads, adapter_for
 from ..arch.heads import keep_for_query_heads, prune_layer_tensors
 from ..errors import UsageError
 from ..io.output import check_output_target, finish_folder, output_kind, temp_folder
 from ..io.safetensors_stream import DTYPES, LazyCheckpoint, write_checkpoint_streaming
 from ..io.sizes import parse_size
-from ..measure.scores_doc import read_scores
 from ..model.classes import auto_class, model_class, pick_task
 from ..model.config import load_config, refuse_quantized
 from ..model.fingerprint import checkpoint_fingerprint
 from ..model.refs import resolve_ref
-from ..model.resize import resize_attention
-from .merging import check_target, contiguous_groups, mean_layer_tensors, merged_geometry, merges
-from .selection import check_target as check_selection_target
-from .selection import Target, parse_heads, resolve_unit, select_heads, selection_from_removed
+from ..model.resize import resize_attention, resized_class
+from .merging import check_target, contiguous_plans, mean_layer_tensors
 
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+#: headtool.json, or what builds it from the weightless model resized to the new geometry (its figures after)
+Meta = dict | Callable[[Any], dict]
 
 
 @dataclass
@@ -91,8 +90,8 @@ def meta_model(config, task: str):
 
     config = copy.deepcopy(config)  # resizing updates the model's config; the checkpoint's stays as read
     with torch.device("meta"):
-        try:
-            cls = model_class(config, task)
+        try:  # a headtool folder's per-layer table sizes its layers (its figures are the loaded model's)
+            cls = resized_class(config, task) if getattr(config, LAYOUT_KEY, None) else model_class(config, task)
             return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
         except Exception:  # noqa: BLE001 - fall back to the auto class
             return auto_class(task).from_config(config)
@@ -148,9 +147,11 @@ class _LayerTensors(Mapping):
 
 
 def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerHeads], layer_fn: LayerFn, *,
-                   meta: dict, card_table: str = "", overwrite: bool = False,
+                   meta: Meta, card_table: str = "", overwrite: bool = False,
                    shard_size: str | int = "5GB") -> dict[str, Any]:
     """Write the checkpoint with every layer's attention tensors replaced by `layer_fn(i, tensors)`.
+    `meta` may be a function of the resized weightless model: the in-memory path's builders take the
+    model after surgery, and the streamed record must come from the same builders.
 
     Peak memory: the tensors of one layer's attention plus the one being written.
     """
@@ -184,12 +185,13 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
     with temp_folder(target) as tmp:
         write_checkpoint_streaming(tmp, entries, produce, shard_bytes)
         model.config.save_pretrained(tmp)
-        return finish_folder(tmp, target, model=model, source=ck, tokenizer=None, meta=meta,
+        doc = meta(model) if callable(meta) else meta
+        return finish_folder(tmp, target, model=model, source=ck, tokenizer=None, meta=doc,
                              card_table=card_table, kind=kind)
 
 
 def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]], out: str | Path, *,
-                 meta: dict, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB",
+                 meta: Meta, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB",
                  uneven: bool = False) -> dict:
     """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming;
     `uneven`: KV groups may end up different in size (--unit head)."""
@@ -206,50 +208,18 @@ def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]
                           overwrite=overwrite, shard_size=shard_size)
 
 
-def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: dict, card_table: str = "",
+def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: Meta, card_table: str = "",
                         overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
     """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
     geometry = ck.geometry
     check_target(ck.adapter, geometry, n_kv)
-    new_geometry = merged_geometry(geometry, n_kv)
+    plans = contiguous_plans(geometry, n_kv)
 
     def layer_fn(i: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        geo = geometry[i]
-        if not merges(geo, n_kv):
+        plan = plans[i]
+        if not plan.merged:
             return {}  # already n_kv KV heads or fewer: its tensors are copied as they are
-        return mean_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geo, contiguous_groups(geo, n_kv),
-                                  new_geometry[i])
+        return mean_layer_tensors(tensors, ck.adapter, ck.layer_prefixes[i], geometry[i], plan.groups, plan.new_geo)
 
-    return stream_surgery(ck, out, new_geometry, layer_fn, meta=meta, card_table=card_table,
+    return stream_surgery(ck, out, [p.new_geo for p in plans], layer_fn, meta=meta, card_table=card_table,
                           overwrite=overwrite, shard_size=shard_size)
-
-
-def prune_checkpoint_streaming(ref: str, out: str, *, scores: str | None, heads: str | None,
-                               target_for: Callable[[list[LayerHeads]], Target] | None, min_heads: int,
-                               overwrite: bool,
-                               shard_size: str | int, trust_remote_code: bool = False, unit: str = "query") -> dict:
-    """`prune --streaming`: heads from a score document or a list, removed shard by shard.
-    `target_for(geometry)` builds the target once the checkpoint's layers are known (it resolves
-    `--protect-layers auto` and `--unit auto`); None with explicit `heads`."""
-    ck = open_checkpoint(ref, trust_remote_code)
-    check_output_target(out, ck.path, overwrite)
-    geometry = ck.geometry
-    target = None
-    if heads is not None:
-        unit = resolve_unit(unit, geometry)  # nothing is refit here: auto is `query` unless groups differ already
-        selection = selection_from_removed(parse_heads(heads, geometry), geometry, min_heads, unit)
-        score_info = None
-    else:
-        target = target_for(geometry)
-        check_selection_target(target, geometry)
-        doc = read_scores(scores, ck)
-        selection = select_heads(doc["scores"], geometry, target)
-        score_info = {"from": scores, "method": doc.get("method"), "objective": doc.get("objective")}
-    kept = [list(k) for k in selection.kept]
-    meta = {"operation": "prune", "method": score_info["method"] if score_info else "explicit",
-            "scores": score_info, "streaming": True,
-            "options": {"target": target.describe() if target else None, "heads": heads},
-            "kept_heads": kept}
-    uneven = (target.unit if target else unit) == "head"
-    written = stream_prune(ck, kept, out, meta=meta, overwrite=overwrite, shard_size=shard_size, uneven=uneven)
-    return {**written, "kept_heads": kept}

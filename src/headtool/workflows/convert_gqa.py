@@ -2,8 +2,9 @@
 and write a standard checkpoint; with several merge methods, the best on held-out data is written."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from ..console import info
 from ..data.batches import blocks_read, resolve_auto
@@ -22,9 +23,10 @@ from ..surgery.merging import (
     DATA_METHODS,
     GROUPINGS,
     METHODS,
+    LayerPlan,
     check_target,
+    contiguous_plans,
     convert_model,
-    merged_geometry,
     summary_figures,
 )
 from ..surgery.streaming import open_checkpoint, stream_convert_mean
@@ -98,14 +100,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
         if methods != ["mean"] or req.grouping != "contiguous" or req.refit or req.eval_data:
             raise UsageError("--streaming needs no forward pass: use --merge mean --grouping contiguous, "
                              "without --refit or --eval-data")
-        ck = open_checkpoint(req.model, req.load.trust_remote_code)
-        check_target(ck.adapter, ck.geometry, req.kv_heads)
-        meta = {"operation": "convert-gqa", "method": "mean", "streaming": True,
-                "num_kv_heads": [g.num_kv_heads for g in merged_geometry(ck.geometry, req.kv_heads)],
-                "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods}}
-        written = stream_convert_mean(ck, req.kv_heads, req.output, meta=meta, overwrite=req.overwrite,
-                                      shard_size=req.shard_size)
-        return ConvertRun(summary=None, streamed=written)
+        return _run_streaming(req, methods)
     load, calib_device = sequential_placement(req.load, req.sequential)
     lm = load_model(req.model, rewrites="convert-gqa", **load.kwargs())
     require_resident_weights(lm.model, "convert-gqa", CONVERT_INSTEAD)
@@ -116,30 +111,9 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     best, before, results, eval_before = done.best, done.before, done.results, done.eval_before
     cal, held, ev, methods = done.calibration, done.heldout, done.evaluation, done.methods
     after = summary_figures(best.model, lm.adapter)
-    geo_before = lm.geometry
-    summary: dict[str, Any] = {
-        "model": req.model, "output": req.output, "kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods,
-        "chosen": best.method, "damping": req.damping,
-        "num_kv_heads_before": [g.num_kv_heads for g in geo_before],
-        "num_kv_heads_after": [p.new_geo.num_kv_heads for p in best.plans],
-        "before": before, "after": after,
-        "kv_cache_reduction": before["kv_cache_bytes_per_token"] / max(after["kv_cache_bytes_per_token"], 1),
-        "eval_before": eval_before, "results": results,
-        "calibration_data": cal.info if cal else None, "heldout_data": held.info if held else None,
-        "eval_data": ev.info if ev else None,
-    }
-    meta = {
-        "operation": "convert-gqa",
-        "kept_heads": [p.order for p in best.plans],
-        "num_kv_heads": summary["num_kv_heads_after"],
-        "kv_groups": [[list(g) for g in p.groups] for p in best.plans],
-        "method": best.method,
-        "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods, "refit": req.refit,
-                    "damping": req.damping, "anchor": req.anchor},
-        "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
-                                             "calibration_data", "heldout_data", "eval_data")},
-        RECORD: written_record(seen, lm.path),
-    }
+    summary = convert_summary(req, methods, best.method, best.plans, lm.geometry, before, after, results,
+                              eval_before=eval_before, data=(cal, held, ev))
+    meta = convert_meta(req, summary, best.plans, seen=seen, source_path=lm.path)
     if ev:
         summary["eval_data"] = {**ev.info, "in_domain": fitted_on(meta[RECORD], ev.info)}
     written = write_output(req.output, model=best.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
@@ -147,6 +121,63 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     summary["config_kind"] = written["config_kind"]
     summary["path"] = written["path"]
     return ConvertRun(summary=summary, streamed=None)
+
+
+def convert_summary(req: ConvertRequest, methods: list[str], chosen: str, plans: Sequence[LayerPlan],
+                    geo_before: Sequence[Any], before: dict, after: dict, results: list[dict], *,
+                    eval_before: dict | None = None, data: tuple = (None, None, None)) -> dict[str, Any]:
+    """The conversion's summary (`--json`, and headtool.json's `summary`); `data`: the calibration,
+    held-out and evaluation blocks (Batches or None)."""
+    cal, held, ev = data
+    return {
+        "model": req.model, "output": req.output, "kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods,
+        "chosen": chosen, "damping": req.damping,
+        "num_kv_heads_before": [g.num_kv_heads for g in geo_before],
+        "num_kv_heads_after": [p.new_geo.num_kv_heads for p in plans],
+        "before": before, "after": after,
+        "kv_cache_reduction": before["kv_cache_bytes_per_token"] / max(after["kv_cache_bytes_per_token"], 1),
+        "eval_before": eval_before, "results": results,
+        "calibration_data": cal.info if cal else None, "heldout_data": held.info if held else None,
+        "eval_data": ev.info if ev else None,
+    }
+
+
+def convert_meta(req: ConvertRequest, summary: dict[str, Any], plans: Sequence[LayerPlan], *,
+                 seen: Iterable[dict], source_path: str | None, streaming: bool = False) -> dict[str, Any]:
+    """headtool.json of convert-gqa, in memory or streamed: one builder, so that the two cannot drift
+    apart (a streamed copy once lost kept_heads and the input's `data_read`)."""
+    return {
+        "operation": "convert-gqa",
+        "streaming": streaming,
+        "kept_heads": [p.order for p in plans],
+        "num_kv_heads": summary["num_kv_heads_after"],
+        "kv_groups": [[list(g) for g in p.groups] for p in plans],
+        "method": summary["chosen"],
+        "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": summary["merge"],
+                    "refit": req.refit, "damping": req.damping, "anchor": req.anchor},
+        "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
+                                             "calibration_data", "heldout_data", "eval_data")},
+        RECORD: written_record(seen, source_path),
+    }
+
+
+def _run_streaming(req: ConvertRequest, methods: list[str]) -> ConvertRun:
+    """`convert-gqa --streaming` (mean, contiguous groups): shard by shard; headtool.json from
+    `convert_meta`, as in memory, with the figures of the weightless model before and after."""
+    ck = open_checkpoint(req.model, req.load.trust_remote_code)
+    check_target(ck.adapter, ck.geometry, req.kv_heads)
+    plans = contiguous_plans(ck.geometry, req.kv_heads)
+    t0 = time.perf_counter()
+
+    def meta(after) -> dict[str, Any]:
+        results = [{"method": "mean", "seconds": round(time.perf_counter() - t0, 2), "refit": None}]
+        summary = convert_summary(req, methods, "mean", plans, ck.geometry, summary_figures(ck.model, ck.adapter),
+                                  summary_figures(after, ck.adapter), results)
+        return convert_meta(req, summary, plans, seen=[], source_path=ck.path, streaming=True)
+
+    written = stream_convert_mean(ck, req.kv_heads, req.output, meta=meta, overwrite=req.overwrite,
+                                  shard_size=req.shard_size)
+    return ConvertRun(summary=None, streamed=written)
 
 
 @dataclass

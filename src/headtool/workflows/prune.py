@@ -3,8 +3,9 @@ or listed) and write a checkpoint that reloads; optionally refit the output proj
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..console import info
 from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_auto
@@ -20,6 +21,7 @@ from ..measure.scores_doc import read_scores
 from ..measure.scoring import DATA_METHODS, ScoreResult, carries_probe, normalize_scores, score_heads
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
+from ..model.info import model_info
 from ..model.placement import require_resident_weights, sequential_placement
 from ..arch import LayerHeads
 from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, normalization_label, prune, trial_copy
@@ -35,7 +37,7 @@ from ..surgery.selection import (
 )
 from ..surgery.compensation import anchor_candidates
 from ..surgery.obs_allocation import LayerSensitivity, SensitivityProbe, obs_selection
-from ..surgery.streaming import prune_checkpoint_streaming
+from ..surgery.streaming import CheckpointRef, open_checkpoint, stream_prune
 from .data_plan import allocation_spec, eval_spec, heldout_spec, with_default_blocks
 from .requests import NORMALIZATIONS, PruneRequest, parse_anchor
 
@@ -79,12 +81,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
         if req.normalize != "auto":
             raise UsageError("--streaming takes the scores as they were scored: leave out --normalize (or score "
                              "with `headtool score --normalize`)")
-        target_for = None if req.heads is not None else lambda geometry: prune_target(req, geometry)
-        written = prune_checkpoint_streaming(req.model, req.output, scores=req.scores, heads=req.heads,
-                                             target_for=target_for, min_heads=req.min_heads_per_layer,
-                                             overwrite=req.overwrite, shard_size=req.shard_size,
-                                             trust_remote_code=req.load.trust_remote_code, unit=req.unit)
-        return PruneRun(streamed=written)
+        return _run_streaming(req)
     load, calib_device = sequential_placement(req.load, req.sequential)
     lm = load_model(req.model, rewrites=None if req.dry_run else "prune", **load.kwargs())
     if not req.dry_run:
@@ -98,22 +95,8 @@ def run_prune(req: PruneRequest) -> PruneRun:
     spec = done.data
     kind = output_kind(lm.model)
     summary = result.summary()
-    options = {"target": target.describe() if target else None, "heads": req.heads, "compensate": req.compensate,
-               "normalize": result.allocation["normalize"] if result.allocation else None,
-               "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
-               "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
-               "anchor": req.anchor if req.compensate else None,
-               "anchor_power": result.anchor_power,
-               "heldout_data": (req.heldout_data if isinstance(req.heldout_data, (str, type(None)))
-                                else req.heldout_data.source) if req.compensate else None,
-               "calibration_data": (calib_info(lm, spec) if req.compensate else None), "dtype": load.dtype}
-    meta = {"operation": "prune", "method": score_info.get("method", "explicit" if req.heads else None),
-            "scores": score_info or None, "options": options,
-            "kept_heads": [list(k) for k in result.selection.kept],
-            "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
-            "num_heads": [g.num_heads for g in result.geometry_after], "summary": summary,
-            RECORD: written_record(seen, lm.path, read_entries([score_info["data"]])  # a score document's
-                                   if score_info.get("from") != "data" and score_info.get("data") else [])}
+    meta = prune_meta(req, result, target, score_info, seen=seen, source_path=lm.path,
+                      calibration=calib_info(lm, spec) if req.compensate else None, dtype=load.dtype)
     if eval_info:
         eval_info["in_domain"] = fitted_on(meta[RECORD], eval_info)
     written = None
@@ -128,6 +111,64 @@ def run_prune(req: PruneRequest) -> PruneRun:
               "eval_data": eval_info}
     return PruneRun(result=result, target=target, config_kind=kind, eval_info=eval_info, written=written,
                     report=report)
+
+
+def prune_meta(req: PruneRequest, result: PruneResult, target: Target | None, score_info: dict, *,
+               seen: Iterable[dict], source_path: str | None, calibration: dict | None, dtype: str,
+               streaming: bool = False) -> dict[str, Any]:
+    """headtool.json of a prune, in memory or streamed: one builder, so that the two cannot drift apart
+    (a streamed copy once lost the input's `data_read`, and `eval` scored it on its own fitting blocks)."""
+    options = {"target": target.describe() if target else None, "heads": req.heads, "compensate": req.compensate,
+               "normalize": result.allocation["normalize"] if result.allocation else None,
+               "choose_in_layer": result.choice, "refit_layers": req.refit_layers if req.compensate else None,
+               "damping": req.damping if req.compensate else None, "heldout_samples": req.heldout_samples,
+               "anchor": req.anchor if req.compensate else None,
+               "anchor_power": result.anchor_power,
+               "heldout_data": (req.heldout_data if isinstance(req.heldout_data, (str, type(None)))
+                                else req.heldout_data.source) if req.compensate else None,
+               "calibration_data": calibration, "dtype": dtype}
+    from_doc = score_info.get("from") != "data" and score_info.get("data")  # a score document's reads
+    return {"operation": "prune", "method": score_info.get("method", "explicit" if req.heads is not None else None),
+            "streaming": streaming, "scores": score_info or None, "options": options,
+            "kept_heads": [list(k) for k in result.selection.kept],
+            "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
+            "num_heads": [g.num_heads for g in result.geometry_after], "summary": result.summary(),
+            RECORD: written_record(seen, source_path, read_entries([score_info["data"]]) if from_doc else [])}
+
+
+def _run_streaming(req: PruneRequest) -> PruneRun:
+    """`prune --streaming`: the heads from --heads or a score document, removed shard by shard; its
+    headtool.json from `prune_meta`, as in memory (the tensors are read as they are: dtype auto)."""
+    ck = open_checkpoint(req.model, req.load.trust_remote_code)
+    check_output_target(req.output, ck.path, req.overwrite)
+    selection, target, score_info, unit = _streaming_selection(ck, req)
+    t0 = time.perf_counter()
+
+    def meta(after) -> dict[str, Any]:
+        result = PruneResult(selection, ck.geometry, list(ck.adapter.geometry(after.config)),
+                             model_info(ck.model, ck.adapter), model_info(after, ck.adapter),
+                             elapsed_s=time.perf_counter() - t0)
+        return prune_meta(req, result, target, score_info, seen=[], source_path=ck.path, calibration=None,
+                          dtype="auto", streaming=True)
+
+    kept = [list(k) for k in selection.kept]
+    written = stream_prune(ck, kept, req.output, meta=meta, overwrite=req.overwrite, shard_size=req.shard_size,
+                           uneven=unit == "head")
+    return PruneRun(streamed={**written, "kept_heads": kept})
+
+
+def _streaming_selection(ck: CheckpointRef, req: PruneRequest) -> tuple[Selection, Target | None, dict, str]:
+    """The heads a streamed prune keeps, chosen as prune_loaded chooses them without a refit: (selection,
+    target or None for --heads, where the scores came from, the unit)."""
+    geometry = ck.geometry
+    if req.heads is not None:
+        unit = resolve_unit(req.unit, geometry, req.compensate, req.scope)
+        return selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer,
+                                      unit), None, {}, unit
+    target = prune_target(req, geometry)  # resolves --protect-layers auto and --unit auto on the checkpoint
+    check_target(target, geometry)
+    scored, score_info = _scores(ck, req.scores, None, req.method, req.objective, ck)
+    return select_heads(scored.scores, geometry, target), target, score_info, target.unit
 
 
 @dataclass
