@@ -115,8 +115,8 @@ def problem(opt: Opt, value: Any) -> str | None:
     elif t is float:
         if not _number(value):
             return f"must be a number, got {value!r}"
-        if isinstance(value, float) and math.isnan(value):
-            return "must be a number, got nan"
+        if not math.isfinite(value):  # nan and inf pass every range test below, then break the maths
+            return f"must be a finite number, got {value!r}"
     elif t is str:
         if not isinstance(value, str) and not (m["multiple"] and isinstance(value, list)):
             return f"must be a string, got {value!r}"
@@ -142,7 +142,9 @@ def problem(opt: Opt, value: Any) -> str | None:
 
 
 def check(obj: Any) -> None:
-    """Raise UsageError for the first option of a request whose value is not allowed."""
+    """Raise UsageError for the first option of a request whose value is not allowed, including
+    the options of the dataclasses it holds (heal's `opts`, every step's `data`): the command
+    line builds those separately, and only this check sees them before any work starts."""
     from .errors import UsageError
 
     for opt in options_of(type(obj)):
@@ -151,3 +153,15 @@ def check(obj: Any) -> None:
         msg = problem(opt, getattr(obj, opt.name))
         if msg:
             raise UsageError(f"{opt.flag} {msg}")
+    for part in _nested(obj):
+        check(part)
+
+
+def _nested(obj: Any) -> Iterator[Any]:
+    """The option dataclasses a request holds, except those that opt out (`checked_apart`: checked
+    where they are used, e.g. LoadOptions, whose --dtype also takes spellings its choices omit)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if (dataclasses.is_dataclass(value) and not isinstance(value, type)
+                and not getattr(value, "checked_apart", False)):
+            yield value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import UsageError
 from ..io.sizes import parse_size
@@ -31,6 +31,9 @@ class LoadOptions:
                                     "accelerate (offload)", panel="Model", where=RECIPE)
     max_memory: str | None = option(None, "with --device-map: caps per device, e.g. '0=70GiB,cpu=200GiB' (the rest "
                                     "is offloaded to disk)", panel="Model", where=RECIPE)
+
+    #: optionspec.check skips these: loading checks them (resolve_dtype also takes fp32, bf16 and fp16)
+    checked_apart: ClassVar[bool] = True
 
     def kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..optionspec import CLI_ONLY, option
+from ..optionspec import CLI_ONLY, check, option
 
 TRAIN_MODES = ("attention", "all", "lora")
 HIDDEN_LAYERS = ("last", "all")
@@ -50,33 +50,14 @@ class HealOptions:
                              flags=("--keep-best/--keep-last",), panel=_E)
 
     def validate(self) -> None:
-        if self.train not in TRAIN_MODES:
-            raise UsageError(f"--train {self.train!r}: use one of {', '.join(TRAIN_MODES)}")
-        if self.temperature <= 0:
-            raise UsageError(f"--temperature must be positive (got {self.temperature})")
-        for name in ("kl_weight", "lm_weight", "hidden_weight", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)})")
+        """The declared checks (types, choices, ranges, finite numbers: a nan or inf would only fail
+        at the first step, after the models loaded), then what no single option can declare."""
+        check(self)
         if self.kl_weight == self.lm_weight == self.hidden_weight == 0:
             raise UsageError("every loss weight is 0: nothing to train for (set --kl-weight, --lm-weight or "
                              "--hidden-weight)")
-        for name in ("lora_rank", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
-        for name in ("max_steps", "eval_every", "save_every"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {v})")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise UsageError(f"--warmup-steps must be 0 or more (got {self.warmup_steps})")
-        if self.lr is not None and self.lr <= 0:
-            raise UsageError(f"--lr must be positive (got {self.lr})")
-        if not 0 <= self.min_lr_ratio <= 1:
+        if self.min_lr_ratio > 1:
             raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {self.min_lr_ratio})")
-        if self.hidden_layers not in HIDDEN_LAYERS:
-            raise UsageError(f"--hidden-layers {self.hidden_layers!r}: use last or all")
-        if self.bf16 not in ("auto", "on", "off"):
-            raise UsageError(f"--bf16 {self.bf16!r}: use auto, on or off")
 
     @property
     def learning_rate(self) -> float:

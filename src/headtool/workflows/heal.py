@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..console import warn
 from ..data.batches import blocks_read, make_batches, resolve_auto
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
@@ -93,8 +94,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     world = world_from_env(req.load.device)
     load_kwargs = req.load.kwargs()
     state_dir = state_folder(req.output)
-    student_path, _ = resolve_ref(req.student)
-    check_output_target(req.output, student_path, req.overwrite)
+    check_output_beside_inputs(req)
     if req.resume and not (state_dir / STATE_FILE).exists():
         raise UsageError(f"--resume: no training state in {state_dir} (run without --resume to start)")
     if state_dir.exists() and not req.resume:
@@ -120,6 +120,10 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
                          "the same head (or both headless)")
     objective = OBJECTIVE_OF_TASK.get(student.task)
+    same_source = teacher_is_recorded_source(student.path, teacher.fingerprint)
+    if same_source is False and world.main:
+        warn("--teacher is not the model the student was made from (the fingerprints differ); "
+             "healing towards it anyway")
     with blocks_read() as seen:
         train, held = heal_batches(req, tok, student.task, teacher, world)
     out_dtype = next(student.model.parameters()).dtype
@@ -133,7 +137,8 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         "format": "headtool.heal/1",
         "student": {"ref": req.student, "path": student.path, "fingerprint": student.fingerprint,
                     "task": student.task},
-        "teacher": {"ref": req.teacher, "path": teacher.path, "fingerprint": teacher.fingerprint},
+        "teacher": {"ref": req.teacher, "path": teacher.path, "fingerprint": teacher.fingerprint,
+                    "matches_student_source": same_source},
         "objective": objective or "hidden",
         "options": {**asdict(req.opts), "learning_rate": req.opts.learning_rate, "eval_samples": req.eval_samples},
         "data": train.info, "eval_data": held.info,
@@ -159,6 +164,57 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
             shutil.rmtree(state_dir, ignore_errors=True)
     barrier(world)
     return doc
+
+
+def check_output_beside_inputs(req: HealRequest) -> None:
+    """Refuse an -o inside, on or around the student or the teacher: both are the user's models,
+    which heal never modifies."""
+    for ref in (req.student, req.teacher):
+        check_output_target(req.output, resolve_ref(ref)[0], req.overwrite)
+
+
+#: how many headtool.json records back a student's sources are followed (prune -> convert -> heal)
+_MAX_RECORDS = 8
+
+
+def recorded_sources(folder: str | Path, depth: int = 0) -> set[str]:
+    """Fingerprints of the models a headtool output was made from, as its headtool.json records
+    them: the source of each step back through the local folders it names, and the teachers
+    of earlier heals. Empty when nothing is recorded (not a headtool output)."""
+    try:
+        doc = json.loads((Path(folder) / "headtool.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return _sources_of(doc, depth) if isinstance(doc, dict) else set()
+
+
+def _sources_of(doc: dict[str, Any], depth: int) -> set[str]:
+    """The source fingerprints one headtool.json document records (see recorded_sources)."""
+    if depth >= _MAX_RECORDS:
+        return set()
+    if doc.get("operation") == "heal":  # its `source` is the unhealed student: look past it
+        prior, teacher = doc.get("healed_from"), _entry(doc, "teacher")
+        found = _sources_of(prior, depth + 1) if isinstance(prior, dict) else set()
+        return found | {fp for fp in [teacher.get("fingerprint")] if isinstance(fp, str)}
+    source = _entry(doc, "source")
+    found = {fp for fp in (source.get("fingerprint"), doc.get("source_fingerprint")) if isinstance(fp, str)}
+    path = source.get("path")
+    if isinstance(path, str) and Path(path).is_dir():
+        found |= recorded_sources(path, depth + 1)
+    return found
+
+
+def _entry(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    """A sub-document of headtool.json, {} when absent or malformed (the file is the user's to edit)."""
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def teacher_is_recorded_source(student_path: str, teacher_fingerprint: str) -> bool | None:
+    """Whether the teacher is a model the student's headtool.json says it was made from (None: no
+    record). Another teacher can be deliberate (a larger model), so a mismatch is a warning only."""
+    sources = recorded_sources(student_path)
+    return (teacher_fingerprint in sources) if sources else None
 
 
 def card_table(doc: dict[str, Any]) -> str:

@@ -1,0 +1,123 @@
+"""`headtool heal` guards: -o never replaces the teacher, non-finite float options exit 2 before
+anything is written, and a teacher other than the student's recorded source gets a warning."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from headtool.cli.app import app
+from tiny_models import save_tiny
+
+runner = CliRunner()
+SMALL = ["--seq-len", "16", "--batch-size", "2", "--eval-samples", "2", "--max-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny llama, a student pruned from it with headtool, an unrelated llama, and some text."""
+    root = tmp_path_factory.mktemp("heal_guards")
+    text = root / "text.txt"
+    import pydoc_data.topics as t
+
+    text.write_text("\n\n".join(list(t.topics.values())[:10]))
+    teacher = save_tiny("llama", root / "teacher")
+    other = save_tiny("llama", root / "other", seed=7)
+    res = runner.invoke(app, ["prune", str(teacher), "--heads", "0:0,1", "-o", str(root / "student")])
+    assert res.exit_code == 0, res.output
+    return SimpleNamespace(root=root, text=text, teacher=teacher, other=other, student=root / "student")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _heal(m, out, *extra, teacher=None):
+    return runner.invoke(app, ["heal", str(m.student), "--teacher", str(teacher or m.teacher), "--data", str(m.text),
+                               *SMALL, "-o", str(out), *extra])
+
+
+def _one_line_error(res) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "internal error" not in lines[0] and "Traceback" not in res.output
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- -o and the teacher
+
+
+@pytest.mark.parametrize("where", ["teacher", "inside", "parent"])
+def test_output_may_not_be_inside_or_hold_the_teacher(models, where, tmp_path):
+    """The teacher is the user's original model: -o on it, inside it or around it is refused."""
+    teacher = tmp_path / "models" / "teacher"
+    teacher.parent.mkdir()
+    teacher.mkdir()
+    for name, data in _snapshot(models.teacher).items():
+        (teacher / name).write_bytes(data)
+    (teacher.parent / "config.json").write_bytes((teacher / "config.json").read_bytes())  # looks like a model
+    before = _snapshot(teacher.parent)
+    out = {"teacher": teacher, "inside": teacher / "healed", "parent": teacher.parent}[where]
+    res = _heal(models, out, "--overwrite", teacher=teacher)
+    line = _one_line_error(res)
+    assert str(teacher) in line or "input model folder" in line, line
+    assert _snapshot(teacher.parent) == before
+    assert not Path(f"{out}.heal-state").exists()
+
+
+# --------------------------------------------------------------------------- float options
+
+
+@pytest.mark.parametrize("extra", [
+    ["--lr", "nan"], ["--lr", "inf"], ["--weight-decay", "nan"], ["--temperature", "nan"],
+    ["--temperature", "inf"], ["--kl-weight", "nan"], ["--lm-weight", "nan"], ["--hidden-weight", "nan"],
+    ["--max-grad-norm", "nan"], ["--max-grad-norm", "inf"], ["--lora-alpha", "nan", "--train", "lora"],
+    ["--self-temperature", "nan"], ["--self-top-p", "inf"],
+], ids=lambda e: " ".join(e))
+def test_non_finite_float_options_exit_2_up_front(models, extra, tmp_path):
+    """Every float option of heal is checked before any model loads: one line naming it, nothing written."""
+    res = _heal(models, tmp_path / "out", *extra)
+    line = _one_line_error(res)
+    assert extra[0] in line, line
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor OUT.heal-state/
+
+
+@pytest.mark.parametrize("flag,args", [
+    ("--damping", ["prune", "{m}", "--heads", "0:0,1", "--damping", "inf", "-o", "{o}"]),
+    ("--damping", ["convert-gqa", "{m}", "--kv-heads", "1", "--damping", "inf", "-o", "{o}"]),
+    ("--key-weight", ["convert-mla", "{m}", "--kv-rank", "8", "--key-weight", "inf", "-o", "{o}"]),
+    ("--self-temperature", ["eval", "{m}", "--self-temperature", "nan"]),
+    ("--self-top-p", ["score", "{m}", "--method", "magnitude", "--self-top-p", "nan"]),
+], ids=lambda a: a if isinstance(a, str) else a[0])
+def test_other_commands_reject_non_finite_floats(models, flag, args, tmp_path):
+    """The same declared check covers every command's float options (and the data options)."""
+    res = runner.invoke(app, [a.format(m=models.teacher, o=tmp_path / "out") for a in args])
+    assert flag in _one_line_error(res)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- teacher identity
+
+
+def test_teacher_other_than_the_recorded_source_is_warned_and_recorded(models, tmp_path):
+    """A different teacher can be deliberate (a larger model): heal warns once and records it."""
+    res = _heal(models, tmp_path / "o1", teacher=models.other)
+    assert res.exit_code == 0, res.output
+    warnings = [ln for ln in res.stderr.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "teacher" in warnings[0], res.stderr
+    meta = json.loads((tmp_path / "o1" / "headtool.json").read_text())
+    assert meta["teacher"]["matches_student_source"] is False
+
+    res = _heal(models, tmp_path / "o2")  # the model it was pruned from: no word
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.stderr, res.stderr
+    meta = json.loads((tmp_path / "o2" / "headtool.json").read_text())
+    assert meta["teacher"]["matches_student_source"] is True
+
+    # healing the healed model again towards the same original: still its source, no warning
+    res = runner.invoke(app, ["heal", str(tmp_path / "o2"), "--teacher", str(models.teacher), "--data",
+                              str(models.text), *SMALL, "-o", str(tmp_path / "o3")])
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.output
