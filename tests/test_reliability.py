@@ -369,6 +369,13 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
      ("--overwrite",)),
     ("output-is-a-file", lambda e: (e.out.write_text("x"), _prune(e, e.m(), "--heads", "0:0,2"))[-1],
      ("not a folder",)),
+    # checked with the options, before the data is read (it was refused only when writing, after calibration)
+    ("convert-shard-size-garbage", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--data",
+                                              str(e.tmp / "nope.txt"), "--shard-size", "garbage", "-o", str(e.out)],
+     ("--shard-size",)),
+    ("latent-shard-size-infinite", lambda e: ["convert-mla", e.m(), "--kv-rank", "4", "--data",
+                                              str(e.tmp / "nope.txt"), "--shard-size", "infGB", "-o", str(e.out)],
+     ("--shard-size",)),
     ("convert-merge-unknown", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--merge", "bogus", "-o",
                                          str(e.out)], ("--merge",)),
     ("convert-grouping-unknown", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--grouping", "bogus", "-o",

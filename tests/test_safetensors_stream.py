@@ -46,8 +46,9 @@ def test_corrupt_and_truncated_files_are_usage_errors(tmp_path):
 
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size(123) == 123
-    with pytest.raises(UsageError):
-        parse_size("lots")
+    for bad in ("lots", "infGB", "nanMB", "0", "-5", "0GB"):  # infGB was an OverflowError (internal error)
+        with pytest.raises(UsageError):
+            parse_size(bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -86,7 +86,9 @@ def _overwrite():
 
 
 def _shard_size():
-    return option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE)
+    from ..io.sizes import check_size
+
+    return option("5GB", "largest safetensors shard", where=RECIPE, why=_WRITE_ONCE, parse=check_size)
 
 
 def _conversion_eval_data():
