@@ -660,3 +660,22 @@ def test_factored_query_equals_the_earlier_layout_and_costs_fewer_parameters(fam
     _absorb(old, "auto")
     prompt = ids[:1, :6]
     assert _generate(conv.model, prompt).tolist() == _generate(old, prompt).tolist()
+
+
+def test_head_surgery_on_a_latent_model_is_refused_up_front(tmp_path):
+    """prune, convert-gqa and convert-mla of a convert-mla output (and magnitude scores of it) failed
+    late, naming a missing k_proj weight, some after calibration: one line now, before any work."""
+    src = save_tiny("llama", tmp_path / "src")
+    mla = tmp_path / "mla"
+    assert _cli(src, "--kv-rank", 6, "--rope-dim", 4, "--max-samples", 2, "--seq-len", 16, "-o", mla).exit_code == 0
+    data = ["--data", "builtin:pydoc", "--max-samples", "2", "--seq-len", "16"]
+    out = tmp_path / "out"
+    for args in (["prune", str(mla), "--heads", "0:0,1", "-o", str(out)],
+                 ["prune", str(mla), "--heads", "0:0,1", "--dry-run"],
+                 ["prune", str(mla), "--heads", "0:0,1", "--streaming", "-o", str(out)],
+                 ["convert-gqa", str(mla), "--kv-heads", "1", *data, "-o", str(out)],
+                 ["convert-mla", str(mla), "--kv-rank", "4", *data, "-o", str(out)],
+                 ["score", str(mla), "--method", "magnitude"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and "latent attention" in r.stderr and "k_proj" not in r.stderr, (args, r.stderr)
+        assert not out.exists()

@@ -138,6 +138,11 @@ def magnitude_scores(model: nn.Module, adapter: Adapter, geometry: Sequence[Laye
 
     A KV head's weights are shared by its group, so each member carries an equal share.
     """
+    from ..model.latent import latent_spec
+
+    if latent_spec(model.config):  # it failed naming a missing k_proj weight
+        raise UsageError("--method magnitude reads each head's K/V weights, which latent attention (a convert-mla "
+                         "output) keeps in one shared latent: score it with a data method (gradient, ablation, ...)")
     sd = model.state_dict()
     out = []
     for i, geo in enumerate(geometry):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..arch import Adapter
+from ..errors import UsageError
 from ..templates import modeling_headtool_mla as _mla
 from .classes import model_class
 
@@ -25,6 +26,18 @@ def latent_spec(config) -> dict[str, Any] | None:
     """The latent-attention table of a config (None for any other model)."""
     spec = getattr(config, MLA_KEY, None)
     return spec or None
+
+
+HEAD_SURGERY = ("prune", "convert-gqa", "convert-mla")  # commands that rewrite per-head K/V weights
+
+
+def refuse_latent_surgery(config, ref: str, what: str) -> None:
+    """Head surgery on latent attention is not supported: its K/V live in one shared latent, so there are
+    no per-head k_proj / v_proj to slice or merge (it failed late, naming a missing k_proj weight)."""
+    if what in HEAD_SURGERY and latent_spec(config):
+        raise UsageError(f"{ref}: already uses latent attention (a convert-mla output), which {what} cannot "
+                         "rewrite: run it on the model this one was converted from, then convert-mla (heal, eval, "
+                         "info and inspect read latent attention)")
 
 
 def latent_cache_bytes_per_layer(spec: Mapping[str, Any], dtype: torch.dtype) -> list[int]:

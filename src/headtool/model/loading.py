@@ -16,7 +16,7 @@ from ..errors import HeadtoolError, UsageError
 from .classes import auto_class, pick_task
 from .config import load_config, refuse_quantized
 from .fingerprint import folder_fingerprint, model_fingerprint
-from .latent import MLA_KEY, load_latent_folder
+from .latent import MLA_KEY, load_latent_folder, refuse_latent_surgery
 from .placement import (
     has_offloaded_weights,
     offload_folder,
@@ -120,6 +120,7 @@ def load_model(
     config = load_config(path, source, trust_remote_code)
     if rewrites:
         refuse_quantized(config, ref, rewrites)
+        refuse_latent_surgery(config, ref, rewrites)
     adapter = adapter_for(config)
     task = pick_task(config, task)
     torch_dtype = resolve_dtype(dtype)

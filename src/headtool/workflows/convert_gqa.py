@@ -15,6 +15,7 @@ from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import against_text, evaluate, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
+from ..model.latent import refuse_latent_surgery
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights, sequential_placement
 from ..surgery.compensation import refit_table
@@ -165,6 +166,7 @@ def _run_streaming(req: ConvertRequest, methods: list[str]) -> ConvertRun:
     """`convert-gqa --streaming` (mean, contiguous groups): shard by shard; headtool.json from
     `convert_meta`, as in memory, with the figures of the weightless model before and after."""
     ck = open_checkpoint(req.model, req.load.trust_remote_code)
+    refuse_latent_surgery(ck.config, req.model, "convert-gqa")
     check_target(ck.adapter, ck.geometry, req.kv_heads)
     plans = contiguous_plans(ck.geometry, req.kv_heads)
     t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from ..measure.scoring import DATA_METHODS, ScoreResult, carries_probe, normaliz
 from ..model.loading import load_model
 from ..model.loading import LoadedModel
 from ..model.info import model_info
+from ..model.latent import refuse_latent_surgery
 from ..model.placement import require_resident_weights, sequential_placement
 from ..arch import LayerHeads
 from ..surgery.pruning import PRUNE_INSTEAD, PruneResult, markdown_table, normalization_label, prune, trial_copy
@@ -84,6 +85,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
         return _run_streaming(req)
     load, calib_device = sequential_placement(req.load, req.sequential)
     lm = load_model(req.model, rewrites=None if req.dry_run else "prune", **load.kwargs())
+    refuse_latent_surgery(lm.config, req.model, "prune")  # a dry run plans what it could not do
     if not req.dry_run:
         require_resident_weights(lm.model, "prune", PRUNE_INSTEAD)
     lm.fingerprint  # of the input, before anything changes (headtool.json records it)
@@ -140,6 +142,7 @@ def _run_streaming(req: PruneRequest) -> PruneRun:
     """`prune --streaming`: the heads from --heads or a score document, removed shard by shard; its
     headtool.json from `prune_meta`, as in memory (the tensors are read as they are: dtype auto)."""
     ck = open_checkpoint(req.model, req.load.trust_remote_code)
+    refuse_latent_surgery(ck.config, req.model, "prune")
     check_output_target(req.output, ck.path, req.overwrite)
     selection, target, score_info, unit = _streaming_selection(ck, req)
     t0 = time.perf_counter()
