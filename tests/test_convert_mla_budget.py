@@ -192,14 +192,14 @@ def test_a_recipe_takes_the_budget_and_needs_exactly_one_target(tmp_path):
     r = tmp_path / "r.yaml"
     r.write_text(f"model: {src}\ndata: {{seq_len: 16, max_samples: 4}}\nsteps:\n"
                  "  - convert_mla: {kv_cache: 0.5, rank_allocation: auto, rope_dim: 4, refit: false}\n")
-    res = runner.invoke(app, ["run", str(r), "--json"])
+    res = runner.invoke(app, ["run", str(r), "--dry-run", "--json"])
     assert res.exit_code == 0, res.stderr
     row = json.loads(res.stdout)["steps"][1]
     assert sum(row["kv_rank"]) == 36 and row["kv_cache_bytes_per_token"] == TODAY // 2
     assert row["kv_cache"] == 0.5 and row["rank_allocation"] == "auto"
     r.write_text(f"model: {src}\ndata: {{seq_len: 16, max_samples: 4}}\nsteps:\n"
                  "  - convert_mla: {kv_cache: 1/3, rank_allocation: auto, rope_dim: 4, refit: false}\n")
-    res = runner.invoke(app, ["run", str(r), "--json"])
+    res = runner.invoke(app, ["run", str(r), "--dry-run", "--json"])
     assert res.exit_code == 0, res.stderr
     row = json.loads(res.stdout)["steps"][1]
     assert row["kv_cache_bytes_per_token"] == TODAY // 3 and row["kv_cache"] == 1 / 3

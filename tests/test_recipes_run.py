@@ -59,7 +59,8 @@ def test_check_only_and_all_problems_at_once(tmp_path):
     bad.write_text("model: ./nope\nsteps:\n  - prune: {fraction: 2}\n  - convert_gqa: {}\n")
     res = runner.invoke(app, ["run", str(bad), "--check"])
     assert res.exit_code == 2
-    assert "3 problem(s)" in res.stderr and f"{bad}:3:" in res.stderr and "Traceback" not in res.stderr
+    assert "4 problem(s)" in res.stderr and f"{bad}:3:" in res.stderr and "Traceback" not in res.stderr
+    assert "steps.0 (prune), steps.1 (convert_gqa) rewrite the weights but the recipe has no output" in res.stderr
 
 
 def test_impossible_targets_are_found_before_running(tiny_folders, tmp_path):
@@ -179,7 +180,7 @@ def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_fold
     recipe = next(p for p in RECIPES if p.stem == "demo")
     res = runner.invoke(app, ["run", str(recipe), "--set", f"model={tiny_folders['decoder']}",
                               "--set", "data.max_samples=4", "--set", "data.seq_len=16", "--set", "steps.3.data.max_samples=4",
-                              "--set", "steps.4.data.max_samples=4", "--json"])
+                              "--set", "steps.4.data.max_samples=4", "--dry-run", "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     data = {r["step"]: r.get("data") for r in summary["steps"][1:4]}

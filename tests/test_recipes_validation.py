@@ -128,7 +128,8 @@ def test_a_step_is_checked_as_its_command_checks_it_before_the_model_loads(tmp_p
                  "  - prune: {fraction: 0.3, normalize: layer, allocation_margin: 1}\n"
                  "  - prune: {fraction: 0.1, compensate: true, anchor: sideways}\n"
                  "  - prune: {fraction: 0.1, compensate: true, normalize: 'layer,none', allocation_margin: 1}\n")
-    for args in (["run", str(p), "--check"], ["run", str(p), "-o", str(tmp_path / "out")]):
+    out = str(tmp_path / "out")
+    for args in (["run", str(p), "--check", "-o", out], ["run", str(p), "-o", out]):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2 and "has 2 problem(s)" in r.stderr, r.output
         assert f"{p}:4:" in r.stderr and "steps.0 (prune): --allocation-margin weighs a comparison" in r.stderr

@@ -41,7 +41,17 @@ from .convert_mla import convert_mla_loaded, latent_target
 from .evaluate import eval_loaded
 from .heal import heal_loaded
 from .prune import prune_loaded, prune_target
-from .recipe_schema import STEP_REQUESTS, Recipe, raise_problems, resolved, step_data, step_options, validate
+from .recipe_schema import (
+    STEP_REQUESTS,
+    Recipe,
+    output_problems,
+    raise_problems,
+    resolved,
+    rewriting_steps,
+    step_data,
+    step_options,
+    validate,
+)
 from .score import score_loaded
 
 @dataclasses.dataclass
@@ -55,6 +65,7 @@ class Context:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: (source, seq_len, seed) -> leading blocks of it the calibrating steps read (evaluations start after)
     read: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
+    dry_run: bool = False  # nothing is written: not the model, not a score step's document
 
     @property
     def text_model(self) -> LoadedModel:
@@ -97,27 +108,20 @@ def build_request(recipe: Recipe, step: dict[str, Any]) -> Any:
     return cls(model=model, **kwargs, data=data)
 
 
-#: steps that change heads, which latent attention (convert_mla) does not have any more
-HEAD_SURGERY = ("prune", "convert_gqa", "convert_mla")
-
 #: how many blocks and which: a held-out or evaluation block says these itself (or takes its
 #: command's default, e.g. eval_samples), never from the recipe's calibration block
 CUT_KEYS = ("max_samples", "num_tokens", "skip_samples")
 
 
 def check_geometry(ctx: Context) -> None:
-    """Targets that are impossible for this model, all reported at once before any step runs."""
+    """Targets that are impossible for this model, all reported at once before any step runs (the
+    step orders a run refuses are the validator's: recipe_schema.REFUSED_ORDERS)."""
     problems: list[str] = []
     geometry = ctx.lm.geometry
-    latent = False  # a convert_mla step ran before: no head surgery on latent attention
     for i, step in enumerate(ctx.recipe.steps):
         where = f"{ctx.recipe.where(f'steps.{i}')}: steps.{i}"
         try:
-            if latent and step["step"] in HEAD_SURGERY:
-                raise UsageError(f"{step['step']} after convert_mla is not supported (the attention is latent "
-                                 "now): put it before convert_mla")
-            if step["step"] == "convert_mla":
-                latent = True  # (pruned KV heads are known only when prune runs: its check then)
+            if step["step"] == "convert_mla":  # (pruned KV heads are known only when prune runs: its check then)
                 latent_target(ctx.lm, build_request(ctx.recipe, step), geometry)
             if step["step"] == "prune" and step.get("heads") is None:
                 check_target(prune_target(build_request(ctx.recipe, step), geometry), geometry)
@@ -134,7 +138,7 @@ def step_score(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     run = score_loaded(ctx.lm, req, ctx.text_model)
     ctx.scores = run.result
-    if req.output:
+    if req.output and not ctx.dry_run:
         write_document(build_document(ctx.lm, run.result, run.batches_info), req.output)
     out = {"method": run.result.estimator, "objective": run.objective, "baseline_loss": run.result.baseline_loss,
            "heads": sum(g.num_heads for g in ctx.lm.geometry)}
@@ -266,37 +270,40 @@ def summary_row(step: str, figures: dict, info: dict, seconds: float) -> dict[st
             **({"kv_rank": info["kv_rank"], "rope_dim": info["rope_dim"]} if "kv_rank" in info else {}), **figures}
 
 
-def validate_whole(recipe: Recipe) -> None:
-    """The recipe's keys (recipe_schema.validate), then each step's request as its command checks it."""
-    validate(recipe)
-    check_requests(recipe)
+def validate_whole(recipe: Recipe, *, output: str | None = None, dry_run: bool = False) -> None:
+    """The recipe's keys and step order (recipe_schema.validate), then each step's request as its
+    command checks it; an output where steps rewrite the weights (unless `dry_run`) listed with either."""
+    nowhere = [] if dry_run else output_problems(recipe, output)
+    validate(recipe, more=nowhere)
+    raise_problems(recipe, request_problems(recipe) + nowhere)
 
 
-def check_requests(recipe: Recipe) -> None:
+def request_problems(recipe: Recipe) -> list[str]:
     """Each step's request checked as its command checks it (`validate()`: combinations of options a
-    schema of single keys cannot see), every problem in one UsageError, before the model loads."""
+    schema of single keys cannot see), before the model loads."""
     problems = []
     for i, step in enumerate(recipe.steps):
         try:
             build_request(recipe, step).validate()
         except UsageError as e:
             problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i} ({step['step']}): {e}")
-    raise_problems(recipe, problems)
+    return problems
 
 
 def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | None = None,
-               on_step=None) -> dict[str, Any]:
-    """Validate `recipe` whole, then run its steps; returns the summary (and writes the output)."""
-    validate_whole(recipe)
+               on_step=None, dry_run: bool = False) -> dict[str, Any]:
+    """Validate `recipe` whole, then run its steps; returns the summary (and writes the output,
+    unless `dry_run`: then nothing is written)."""
+    validate_whole(recipe, output=output, dry_run=dry_run)
     v = recipe.values
-    out = output or v.get("output")
+    out = None if dry_run else output or v.get("output")
     ow = bool(v.get("overwrite")) if overwrite is None else overwrite
     load, calib_device = sequential_placement(
         LoadOptions(**{o.name: v[o.name] for o in options_of(LoadOptions) if v.get(o.name) is not None}),
         bool(v.get("sequential")))
-    rewrites = sorted({s["step"] for s in recipe.steps if s["step"] in ("prune", "convert_gqa", "convert_mla", "heal")})
+    rewrites = rewriting_steps(recipe)
     lm = load_model(v["model"], rewrites=f"the recipe ({', '.join(rewrites)})" if rewrites else None, **load.kwargs())
-    ctx = Context(recipe, lm, calib_device=calib_device)
+    ctx = Context(recipe, lm, calib_device=calib_device, dry_run=dry_run)
     check_geometry(ctx)
     offloaded = has_offloaded_weights(lm.model)
     if rewrites or out:  # before any step runs, not in the middle of the recipe
@@ -325,7 +332,7 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         rows.append(row)
         if on_step:
             on_step(i, row)
-    result: dict[str, Any] = {"recipe": resolved(recipe), "steps": rows, "output": None}
+    result: dict[str, Any] = {"recipe": resolved(recipe), "steps": rows, "output": None, "dry_run": dry_run}
     if out:
         meta = {"operation": "recipe", "recipe": resolved(recipe), "steps": rows,
                 "source_fingerprint": source_fingerprint,

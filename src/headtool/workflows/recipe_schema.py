@@ -46,6 +46,13 @@ def _int_min(lo: int) -> Check:
 
 _STR = _type(str, what="a string")
 _BOOL = _type(bool, what="true or false")
+
+
+def _folder(v: Any) -> str | None:
+    """A folder to write to: text, not blank (an empty `output: ""` would write nowhere)."""
+    return _STR(v) or (None if v.strip() else "must name a folder, got an empty string")
+
+
 _DATA = "data"  # marker: a nested data block
 _DATA_OR_SOURCE = "data or source"  # marker: a data block, or a source string
 
@@ -85,9 +92,30 @@ DATA_KEYS: dict[str, Check] = {o.name: _opt_check(o) for o in options_of(DataSpe
 STEP_KEYS: dict[str, dict[str, Check | str]] = {name: _step_schema(name) for name in STEP_REQUESTS}
 STEP_TARGETS = {"prune": ("fraction", "num_heads", "threshold", "heads"), "convert_mla": ("kv_rank", "kv_cache")}
 
+#: the keys whose value is text (the schema wants a string): a plain scalar YAML 1.1 reads as a number or
+#: a boolean there (`heads: 1:0` is the base-60 integer 60) is taken as written
+TOP_STRINGS = {"name", "description", "model", "output", "shard_size"} | {
+    o.name for o in options_of(LoadOptions) if o.type is str}
+DATA_STRINGS = {o.name for o in options_of(DataSpec) if o.type is str}
+STEP_STRINGS = {name: {k for k, o in step_options(name).items() if o.type is str} for name in STEP_REQUESTS}
+
+#: steps that rebuild or remove heads: latent attention (convert_mla) has none left to work on (the
+#: commands refuse a latent model the same way: model.latent.HEAD_SURGERY, kept apart to stay torch-free)
+HEAD_SURGERY = ("prune", "convert_gqa", "convert_mla")
+#: steps whose result is new weights, which only an output keeps
+REWRITING_STEPS = ("prune", "convert_gqa", "convert_mla", "heal")
+#: the step orders a run refuses, the one list the validator knows them from (the runner checks
+#: only what needs the loaded model): (step, when its keys have these values, after this earlier
+#: step, why, what to do)
+REFUSED_ORDERS: tuple[tuple[str, dict[str, Any], str, str, str], ...] = (
+    *((name, {}, "convert_mla", "the attention is latent now", "put it before convert_mla") for name in HEAD_SURGERY),
+    ("score", {"method": "magnitude"}, "convert_mla", "magnitude reads the K/V projections, which latent "
+     "attention replaced", "put it before convert_mla or use another method"),
+)
+
 TOP_KEYS: dict[str, Check | str] = {
     "name": _STR, "description": _STR, "model": _STR, **{o.name: _opt_check(o) for o in options_of(LoadOptions)},
-    "seed": _int_min(0), "data": _DATA, "output": _STR, "overwrite": _BOOL, "shard_size": _STR, "sequential": _BOOL,
+    "seed": _int_min(0), "data": _DATA, "output": _folder, "overwrite": _BOOL, "shard_size": _STR, "sequential": _BOOL,
     "steps": "steps",
 }
 
@@ -100,6 +128,8 @@ class Recipe:
     path: str
     values: dict[str, Any]
     marks: dict[str, str] = field(default_factory=dict)  # dotted path -> "file:line:col"
+    #: dotted path -> the text of a plain scalar that YAML read as something other than a string
+    written: dict[str, str] = field(default_factory=dict)
 
     @property
     def steps(self) -> list[dict[str, Any]]:
@@ -111,17 +141,25 @@ class Recipe:
         return self.marks.get(dotted, self.path)
 
 
-def _to_python(node: yaml.Node, path: str, marks: dict[str, str], fname: str) -> Any:
-    marks[path] = f"{fname}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+def _scalar(node: yaml.Node) -> Any:
+    """A scalar node's value, constructed in place: re-serialising an empty one (`- score:`) is not YAML."""
+    return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+
+
+def _to_python(node: yaml.Node, path: str, recipe: Recipe) -> Any:
+    recipe.marks[path] = f"{recipe.path}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k, v in node.value:
-            key = str(yaml.safe_load(yaml.serialize(k)))
-            out[key] = _to_python(v, f"{path}.{key}" if path else key, marks, fname)
+            key = str(_scalar(k))
+            out[key] = _to_python(v, f"{path}.{key}" if path else key, recipe)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_to_python(v, f"{path}.{i}" if path else str(i), marks, fname) for i, v in enumerate(node.value)]
-    return yaml.safe_load(yaml.serialize(node))
+        return [_to_python(v, f"{path}.{i}" if path else str(i), recipe) for i, v in enumerate(node.value)]
+    value = _scalar(node)
+    if isinstance(node, yaml.ScalarNode) and node.style is None and value is not None and not isinstance(value, str):
+        recipe.written[path] = node.value
+    return value
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
@@ -133,11 +171,10 @@ def load_recipe(path: str | os.PathLike) -> Recipe:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise UsageError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from e
-    marks: dict[str, str] = {}
-    values = _to_python(node, "", marks, str(p)) if node is not None else {}
-    if not isinstance(values, dict):
+    recipe = Recipe(str(p), {})
+    recipe.values = _to_python(node, "", recipe) if node is not None else {}
+    if not isinstance(recipe.values, dict):
         raise UsageError(f"{p}: a recipe is a mapping with 'model' and 'steps'")
-    recipe = Recipe(str(p), values, marks)
     normalise_steps(recipe)
     return recipe
 
@@ -150,12 +187,61 @@ def normalise_steps(recipe: Recipe) -> None:
     for i, s in enumerate(steps):
         if isinstance(s, dict) and "step" not in s and len(s) == 1:
             (name, opts), = s.items()
-            if isinstance(opts, dict) or opts is None:
+            if isinstance(opts, dict) or opts is None:  # `- score:` is a step with no options
                 steps[i] = {"step": name, **(opts or {})}
-                for key in list(recipe.marks):
-                    prefix = f"steps.{i}.{name}"
-                    if key.startswith(prefix + ".") or key == prefix:
-                        recipe.marks[f"steps.{i}" + key[len(prefix):]] = recipe.marks[key]
+                _move_keys(recipe, f"steps.{i}.{name}", f"steps.{i}")
+    _strings_as_written(recipe)
+
+
+def _move_keys(recipe: Recipe, old: str, new: str) -> None:
+    """The locations (kept for messages about the shorthand's own line) and the written texts of
+    the keys under `old` now live under `new`."""
+    for key in [k for k in recipe.marks if k == old or k.startswith(old + ".")]:
+        recipe.marks[new + key[len(old):]] = recipe.marks[key]
+    for key in [k for k in recipe.written if k == old or k.startswith(old + ".")]:
+        recipe.written[new + key[len(old):]] = recipe.written.pop(key)
+
+
+def _wants_string(values: dict[str, Any], parts: list[str]) -> bool:
+    """Is the key at `parts` (a dotted path split) one whose schema wants a string?"""
+    if len(parts) == 1:
+        return parts[0] in TOP_STRINGS
+    if parts[0] == "data":
+        return len(parts) == 2 and parts[1] in DATA_STRINGS
+    steps = values.get("steps")
+    if parts[0] != "steps" or not parts[1].isdigit() or not isinstance(steps, list) or int(parts[1]) >= len(steps):
+        return False
+    step = steps[int(parts[1])]
+    name = step.get("step") if isinstance(step, dict) else None
+    if name not in STEP_KEYS:
+        return False
+    if len(parts) == 3:
+        return parts[2] in STEP_STRINGS[name]
+    return len(parts) == 4 and STEP_KEYS[name].get(parts[2]) in (_DATA, _DATA_OR_SOURCE) and parts[3] in DATA_STRINGS
+
+
+def _at(values: Any, parts: list[str]) -> Any:
+    """The value at a dotted path (split), or None where there is none."""
+    for part in parts:
+        if isinstance(values, list) and part.isdigit() and int(part) < len(values):
+            values = values[int(part)]
+        elif isinstance(values, dict):
+            values = values.get(part)
+        else:
+            return None
+    return values
+
+
+def _strings_as_written(recipe: Recipe) -> None:
+    """Where the schema wants a string, a plain scalar is the text the user typed: YAML 1.1 reads
+    `heads: 1:0` as the base-60 integer 60 and `merge: no` as false."""
+    for dotted, text in recipe.written.items():
+        parts = dotted.split(".")
+        if not _wants_string(recipe.values, parts):
+            continue
+        parent = _at(recipe.values, parts[:-1])
+        if isinstance(parent, dict) and parts[-1] in parent and not isinstance(parent[parts[-1]], str):
+            parent[parts[-1]] = text
 
 
 # --------------------------------------------------------------------------- overrides
@@ -190,7 +276,17 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> None:
                     cur = cur.setdefault(part, {})
             else:
                 raise UsageError(f"--set {key}: {'.'.join(parts[:j])} is not a mapping or list")
+        _remember_written(recipe, ".".join(parts), raw)
         recipe.marks[key] = f"--set {key}"
+    _strings_as_written(recipe)
+
+
+def _remember_written(recipe: Recipe, dotted: str, raw: str) -> None:
+    """An override's text replaces what the file had there (`--set steps.1.heads=9:9` is text, not 549)."""
+    for key in [k for k in recipe.written if k == dotted or k.startswith(dotted + ".")]:
+        del recipe.written[key]
+    if _parse_scalar(raw) is not None and not isinstance(_parse_scalar(raw), str):
+        recipe.written[dotted] = raw.strip()
 
 
 # --------------------------------------------------------------------------- validation
@@ -209,13 +305,16 @@ def _check_block(block: Any, schema: dict[str, Check | str], where: str, recipe:
         check = schema.get(key)
         if check is None and key != "step":
             problems.append(f"{recipe.where(dotted)}: {dotted}: unknown key (known: {', '.join(sorted(schema))})")
+        elif value is None and check != "steps":  # (an empty steps: is "required" below)
+            if not (callable(check) and check(None) is None):  # null is a value only where None is allowed
+                problems.append(f"{recipe.where(dotted)}: {dotted}: no value: give one, or leave the key out")
         elif check == _DATA_OR_SOURCE and isinstance(value, str):
             _check_source(value, dotted, recipe, problems)
         elif check in (_DATA, _DATA_OR_SOURCE):
             _check_block(value, DATA_KEYS, dotted, recipe, problems)
             if isinstance(value, dict) and isinstance(value.get("source"), str):
                 _check_source(value["source"], dotted + ".source", recipe, problems)
-        elif callable(check) and value is not None:
+        elif callable(check):
             msg = check(value)
             if msg:
                 problems.append(f"{recipe.where(dotted)}: {dotted}: {msg}")
@@ -234,14 +333,18 @@ def _check_source(src: str, dotted: str, recipe: Recipe, problems: list[str]) ->
             problems.append(f"{recipe.where(dotted)}: {dotted}: file not found: {part}")
 
 
-def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], None] | None = None) -> None:
-    """Raise one UsageError listing every problem of the recipe (one per line)."""
+def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], None] | None = None,
+             more: list[str] | None = None) -> None:
+    """Raise one UsageError listing every problem of the recipe (one per line), with `more` (problems
+    found elsewhere, e.g. output_problems) so that all are listed at once."""
     normalise_steps(recipe)
     problems: list[str] = []
     v = recipe.values
     _check_block(v, {k: c for k, c in TOP_KEYS.items() if k != "steps"} | {"steps": "steps"}, "", recipe, problems)
-    if not v.get("model"):
+    if "model" not in v:
         problems.append(f"{recipe.path}: model: required (a folder, .gguf file, packaged name or hub id)")
+    elif isinstance(v["model"], str) and not v["model"].strip():
+        problems.append(f"{recipe.where('model')}: model: empty (a folder, .gguf file, packaged name or hub id)")
     elif isinstance(v["model"], str) and _looks_local(v["model"]) and not Path(os.path.expanduser(v["model"])).exists():
         problems.append(f"{recipe.where('model')}: model: not found: {v['model']}")
     _check_placement(recipe, problems)
@@ -260,16 +363,64 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
             problems.append(f"{recipe.where(where)}: {where}: unknown step {name!r} (known: {', '.join(STEP_KEYS)})")
             continue
         _check_block(step, STEP_KEYS[name], where, recipe, problems)
-        targets = [t for t in STEP_TARGETS.get(name, ()) if step.get(t) is not None]
-        if name in STEP_TARGETS and len(targets) != 1:
-            problems.append(f"{recipe.where(where)}: {where}: give exactly one target of "
-                            f"{', '.join(STEP_TARGETS[name])} (got {targets or 'none'})")
+        problems += _target_problems(recipe, i, step)
         for key, opt in step_options(name).items():
             if opt.required and key not in step:
                 problems.append(f"{recipe.where(where)}: {where}.{key}: required")
+    problems += order_problems(recipe) + (more or [])
     if geometry_check is not None and not problems:
         geometry_check(recipe, problems)
     raise_problems(recipe, problems)
+
+
+def _known_steps(recipe: Recipe) -> list[tuple[int, dict[str, Any]]]:
+    """(index, step) of the steps that name a known step (the others are reported on their own)."""
+    steps = recipe.values.get("steps")
+    return [(i, s) for i, s in enumerate(steps if isinstance(steps, list) else [])
+            if isinstance(s, dict) and s.get("step") in STEP_KEYS]
+
+
+def order_problems(recipe: Recipe) -> list[str]:
+    """Each step that comes after one it cannot follow (REFUSED_ORDERS), at its location: found
+    before the model loads, not when the run reaches it."""
+    problems, earlier = [], set()
+    for i, step in _known_steps(recipe):
+        name = step["step"]
+        for later, keys, before, why, fix in REFUSED_ORDERS:
+            if name == later and before in earlier and all(step.get(k) == v for k, v in keys.items()):
+                what = name + "".join(f" with {k} {v}" for k, v in keys.items())
+                problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i}: {what} after {before} "
+                                f"is not supported ({why}): {fix}")
+        earlier.add(name)
+    return problems
+
+
+def rewriting_steps(recipe: Recipe) -> list[str]:
+    """The names of the recipe's steps that rewrite the weights, each once, sorted."""
+    return sorted({s["step"] for _, s in _known_steps(recipe) if s["step"] in REWRITING_STEPS})
+
+
+def output_problems(recipe: Recipe, output: str | None = None) -> list[str]:
+    """Steps that rewrite the weights with no output would compute everything and keep nothing:
+    refused before anything runs, unless the run is a dry run on purpose."""
+    if output or "output" in recipe.values or not rewriting_steps(recipe):  # (a bad output: is its own problem)
+        return []
+    which = ", ".join(f"steps.{i} ({s['step']})" for i, s in _known_steps(recipe) if s["step"] in REWRITING_STEPS)
+    return [f"{recipe.path}: {which} rewrite the weights but the recipe has no output: add output: (or -o DIR), "
+            "or run with --dry-run to compute them and write nothing"]
+
+
+def _target_problems(recipe: Recipe, i: int, step: dict[str, Any]) -> list[str]:
+    """prune and convert_mla take exactly one target; one left empty (`{fraction}`) is named as such."""
+    names = STEP_TARGETS.get(step["step"], ())
+    targets = [t for t in names if step.get(t) is not None]
+    if not names or len(targets) == 1:
+        return []
+    where = f"steps.{i}"
+    empty = [f"{where}.{t}" for t in names if t in step and step[t] is None]
+    if empty and not targets:
+        return [f"{recipe.where(e)}: {e}: no value: give one, or leave the key out" for e in empty]
+    return [f"{recipe.where(where)}: {where}: give exactly one target of {', '.join(names)} (got {targets or 'none'})"]
 
 
 def raise_problems(recipe: Recipe, problems: list[str]) -> None:

@@ -39,6 +39,8 @@ def render_summary(result: dict) -> None:
     err_console().print(t)
     if result.get("output"):
         err_console().print(f"written to {result['output']['path']} ({result['output']['config_kind']})")
+    elif result.get("dry_run"):
+        err_console().print("dry run: nothing written")
 
 
 def run_cmd(
@@ -47,12 +49,17 @@ def run_cmd(
                                                       "e.g. steps.1.fraction=0.4 or model=./my-model")] = None,
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="output folder (overrides the recipe's)")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output folder")] = False,
-    check: Annotated[bool, typer.Option("--check", help="only validate the recipe")] = False,
+    check: Annotated[bool, typer.Option("--check", help="only validate the recipe (as this run would, "
+                                        "with its -o and --dry-run)")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="run the steps and show the summary; nothing "
+                                          "written (no model, no score documents)")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a recipe: model, data and steps (score, prune, convert_gqa, convert_mla, eval, heal) declared in YAML.
 
     Every problem of a broken recipe is listed at once with its file:line:col, before anything runs.
+    Steps that rewrite the weights (prune, convert_gqa, convert_mla, heal) need an output (the
+    recipe's output: or -o), or --dry-run to compute them and write nothing.
 
     Example: headtool run recipes/prune-gqa-compensated.yaml --set steps.1.fraction=0.3 -o out/
     """
@@ -63,12 +70,12 @@ def run_cmd(
     r = load_recipe(recipe)
     apply_overrides(r, list(set_ or []))
     if check:
-        validate_whole(r)
+        validate_whole(r, output=output, dry_run=dry_run)
         info(f"{recipe}: valid ({len(r.steps)} steps)")
         if json_out:
             print_json(resolved(r))
         return
-    result = run_recipe(r, output=output, overwrite=overwrite or None,
+    result = run_recipe(r, output=output, overwrite=overwrite or None, dry_run=dry_run,
                         on_step=lambda i, row: info(f"step {i + 1}/{len(r.steps)} {row['step']}: done in "
                                                     f"{row['seconds']:.1f}s"))
     render_summary(result)

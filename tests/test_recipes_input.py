@@ -1,0 +1,138 @@
+"""What users type into recipes: empty values, YAML 1.1's surprises (`heads: 1:0` is 60), step
+orders a run refuses, and weights rewritten with nowhere to write them, all found by `run --check`
+and by the run itself before anything runs, as file:line:col problems with exit code 2."""
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+from typer.testing import CliRunner
+
+from tiny_models import save_tiny
+
+from headtool.cli.app import app
+
+runner = CliRunner()
+MODEL = "smollm2-135m"  # a packaged name: validation does not load it
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def _refused(res, *needles: str) -> None:
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
+    for needle in needles:
+        assert needle in res.stderr, (needle, res.stderr)
+
+
+# --------------------------------------------------------------------------- 1. empty values
+def test_a_step_with_an_empty_value_is_a_step_with_no_options(tmp_path):
+    """`- score:` crashed the loader ('internal error: ParserError'): it means `- score: {}`."""
+    path = _write(tmp_path, f"model: {MODEL}\nsteps:\n  - score:\n  - eval:\n")
+    res = runner.invoke(app, ["run", str(path), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["steps"] == [{"step": "score"}, {"step": "eval"}]
+
+
+@pytest.mark.parametrize("text,where,key", [
+    (f"name:\nmodel: {MODEL}\noutput: out\nsteps:\n  - score: {{}}\n", "1:6", "name"),
+    (f"model: {MODEL}\noutput:\nsteps:\n  - prune: {{fraction: 0.3}}\n", "2:8", "output"),
+    (f"model: {MODEL}\noutput: out\nsteps:\n  - prune: {{fraction}}\n", "4:21", "steps.0.fraction"),
+    (f"model: {MODEL}\noutput: out\nsteps:\n  - score: {{method: }}\n", "4:20", "steps.0.method"),
+    ("model:\noutput: out\nsteps:\n  - score: {}\n", "1:7", "model"),
+    (f"model: {MODEL}\noutput: ''\nsteps:\n  - score: {{}}\n", "2:9", "output"),
+])
+def test_an_empty_value_where_one_is_needed_is_a_located_problem(tmp_path, text, where, key):
+    path = _write(tmp_path, text)
+    res = runner.invoke(app, ["run", str(path), "--check"])
+    _refused(res, f"{path}:{where}: {key}: ", "1 problem(s)")
+
+
+# --------------------------------------------------------------------------- 2. step orders
+def test_every_step_order_a_run_refuses_is_found_by_check_and_before_the_model_loads(tmp_path):
+    """`run --check` called convert_mla -> prune -> convert_gqa valid; the run refused it later."""
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nsteps:\n"
+                            "  - convert_mla: {kv_cache: 0.5}\n  - prune: {fraction: 0.3}\n"
+                            "  - convert_gqa: {kv_heads: 1}\n  - convert_mla: {kv_cache: 0.5}\n"
+                            "  - score: {method: magnitude}\n  - score: {method: gradient}\n"
+                            "  - heal: {max_steps: 1}\n  - eval: {}\n")
+    for extra in (["--check"], []):
+        res = runner.invoke(app, ["run", str(path), *extra])
+        _refused(res, "4 problem(s)",
+                 f"{path}:5:12: steps.1: prune after convert_mla is not supported (the attention is latent now)",
+                 f"{path}:6:18: steps.2: convert_gqa after convert_mla is not supported",
+                 f"{path}:7:18: steps.3: convert_mla after convert_mla is not supported",
+                 f"{path}:8:12: steps.4: score with method magnitude after convert_mla is not supported")
+    assert not (tmp_path / "out").exists()
+
+
+def test_steps_in_an_order_that_runs_are_valid(tmp_path):
+    path = _write(tmp_path, f"model: {MODEL}\noutput: out\nsteps:\n  - score: {{method: magnitude}}\n"
+                            "  - prune: {fraction: 0.3}\n  - convert_gqa: {kv_heads: 1}\n"
+                            "  - convert_mla: {kv_cache: 0.5}\n"
+                            "  - score: {method: gradient}\n  - heal: {max_steps: 1}\n  - eval: {}\n")
+    res = runner.invoke(app, ["run", str(path), "--check"])
+    assert res.exit_code == 0, res.output
+
+
+# --------------------------------------------------------------------------- 3. text read as numbers
+def test_a_head_list_is_read_as_typed_in_the_file_and_in_overrides(tmp_path):
+    """YAML 1.1 reads `heads: 1:0` as the base-60 integer 60 ('must be a string, got 60') and
+    `--set steps.0.heads=9:9` as 549: where the schema wants text, the text as written."""
+    path = _write(tmp_path, f"name: 1:0\nmodel: {MODEL}\noutput: out\ndata: {{source: builtin:pydoc, seq_len: 16}}\n"
+                            "steps:\n  - prune: {heads: 1:0, min_heads_per_layer: 1}\n"
+                            "  - eval: {data: {source: 12:30}}\n")
+    res = runner.invoke(app, ["run", str(path), "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    recipe = json.loads(res.stdout)
+    assert recipe["name"] == "1:0" and recipe["steps"][0] == {"step": "prune", "heads": "1:0", "min_heads_per_layer": 1}
+    assert recipe["data"]["seq_len"] == 16 and recipe["steps"][1]["data"]["source"] == "12:30"
+    res = runner.invoke(app, ["run", str(path), "--check", "--json", "--set", "steps.0.heads=9:9"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["steps"][0]["heads"] == "9:9", res.output
+    res = runner.invoke(app, ["run", str(path), "--check", "--json", "--set", "steps.0.heads='2:1'"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["steps"][0]["heads"] == "2:1", res.output
+    res = runner.invoke(app, ["run", str(path), "--check", "--json", "--set", "steps.0.min_heads_per_layer=1:0"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["steps"][0]["min_heads_per_layer"] == 60  # a number: YAML's
+
+
+# --------------------------------------------------------------------------- 4. nowhere to write
+def test_rewritten_weights_with_no_output_are_refused_up_front(tmp_path):
+    """Such a recipe computed every step and wrote nothing, silently, with exit code 0."""
+    path = _write(tmp_path, f"model: {MODEL}\nsteps:\n  - score: {{method: magnitude}}\n"
+                            "  - prune: {fraction: 0.3}\n  - heal: {max_steps: 1}\n")
+    for extra in (["--check"], []):
+        res = runner.invoke(app, ["run", str(path), *extra])
+        _refused(res, "1 problem(s)", f"{path}: steps.1 (prune), steps.2 (heal) rewrite the weights but the "
+                 "recipe has no output: add output: (or -o DIR), or run with --dry-run")
+    for extra in (["-o", str(tmp_path / "out")], ["--dry-run"]):
+        res = runner.invoke(app, ["run", str(path), "--check", *extra])
+        assert res.exit_code == 0, res.output
+    scores_only = _write(tmp_path, f"model: {MODEL}\nsteps:\n  - score: {{method: magnitude}}\n  - eval: {{}}\n")
+    assert runner.invoke(app, ["run", str(scores_only), "--check"]).exit_code == 0
+
+
+def test_a_dry_run_runs_every_step_and_writes_nothing(tmp_path):
+    src = save_tiny("llama", tmp_path / "src")
+    work = tmp_path / "work"
+    work.mkdir()
+    path = _write(work, f"model: {src}\noutput: {work / 'out'}\nsteps:\n"
+                        f"  - score: {{method: magnitude, output: {work / 's.json'}}}\n"
+                        "  - prune: {heads: 1:0, unit: head}\n")
+    res = runner.invoke(app, ["run", str(path), "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["dry_run"] is True and summary["output"] is None
+    assert [r["heads"] for r in summary["steps"]] == [12, 12, 11]
+    assert "dry run: nothing written" in res.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["r.yaml"]
+
+
+def test_the_builtin_demo_recipe_validates():
+    with resources.as_file(resources.files("headtool") / "builtin_recipes" / "demo.yaml") as path:
+        res = runner.invoke(app, ["run", str(path), "--check"])
+    assert res.exit_code == 0, res.output
