@@ -255,6 +255,13 @@ def test_typer_is_a_pinned_version_and_its_usage_errors_pass_through():
     assert SpecifierSet(spec).contains(typer.__version__), (typer.__version__, spec)
     res = runner.invoke(app, ["info", "somewhere", "--no-such-option"])
     assert res.exit_code == 2 and "No such option" in res.output and "internal error" not in res.output, res.output
+    # one line, as every other user mistake (click drew a box of several)
+    for args, words in ((["info", "somewhere", "--no-such-option"], "No such option"),
+                        (["prune", "m", "--fraction", "abc", "-o", "x"], "--fraction"),
+                        (["prune"], "Missing argument"), (["prunee", "m"], "prune")):
+        res = runner.invoke(app, args)
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
 
 
 def test_every_adapter_has_a_tiny_model():

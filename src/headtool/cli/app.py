@@ -76,6 +76,11 @@ class HeadtoolGroup(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click_exc.UsageError as e:  # the command line itself: one line too (click draws a box)
+            where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            err_console().print(f"error: {e.format_message()} (see {where} --help)", markup=False, style="red",
+                                highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except (typer.Exit, typer.Abort, click_exc.ClickException):
             raise
         except HeadtoolError as e:
