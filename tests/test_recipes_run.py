@@ -200,3 +200,26 @@ def test_demo_summary_states_its_calibration_and_a_domain_it_never_saw(tiny_fold
     assert lines[1].endswith(f"({ratio:.2f}x the original, ± {ratio * licences['loss_delta_se']:.2f} over these "
                              "blocks)")
     assert "data" in res.stderr  # the summary table's column
+
+
+def test_kept_heads_name_the_recipe_models_heads_through_every_step(tmp_path):
+    """A recipe's headtool.json gives its model as the source, so kept_heads and kv_groups name that
+    model's query heads, composed through every step: a second prune was left out (only the first
+    prune's heads were recorded) and the conversion's groups were positions in the pruned model."""
+    src = save_tiny("llama", tmp_path / "src")  # 3 layers of 4 query heads over 2 KV heads
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\noutput: {tmp_path / 'out'}\n"
+                      "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 2}\nsteps:\n"
+                      "  - prune: {heads: '1:0,2'}\n  - prune: {heads: '0:0,2;2:1,3'}\n"
+                      "  - convert_gqa: {kv_heads: 1, merge: mean}\n")
+    res = runner.invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "out" / "headtool.json").read_text())
+    assert meta["kept_heads"] == [[1, 3], [1, 3], [0, 2]]
+    assert meta["kv_groups"] == [[[1, 3]], [[1, 3]], [[0, 2]]]
+    # the mean merge leaves the query rows as they are: each kept row is the named head's row of the source
+    before, after = checkpoint_tensors(src), checkpoint_tensors(tmp_path / "out")
+    for layer, kept in enumerate(meta["kept_heads"]):
+        q = f"model.layers.{layer}.self_attn.q_proj.weight"
+        d = before[q].shape[0] // 4
+        assert torch.equal(after[q], torch.cat([before[q][h * d:(h + 1) * d] for h in kept]))

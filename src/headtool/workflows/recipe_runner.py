@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -66,6 +66,20 @@ class Context:
     #: (source, seq_len, seed) -> leading blocks of it the calibrating steps read (evaluations start after)
     read: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     dry_run: bool = False  # nothing is written: not the model, not a score step's document
+    num_heads_before: list[int] = dataclasses.field(default_factory=list)  # the recipe model's, per layer
+    #: per layer, the recipe model's query head at each position of the model as it stands (None: unchanged)
+    heads: list[list[int]] | None = None
+
+    def keep(self, positions: Sequence[Sequence[int]]) -> None:
+        """A step kept (and ordered) these positions of each layer: the output's kept_heads name the heads
+        of the recipe's model, the folder its headtool.json gives as the source, through every step."""
+        now = self.heads or [list(range(n)) for n in self.num_heads_before]
+        self.heads = [[layer[p] for p in kept] for layer, kept in zip(now, positions)]
+        self.meta["kept_heads"] = self.heads
+
+    def recipe_heads(self, layer: int, positions: Sequence[int]) -> list[int]:
+        """Positions of a layer of the model as it stands, as the recipe model's query heads."""
+        return [self.heads[layer][p] for p in positions] if self.heads else list(positions)
 
     @property
     def text_model(self) -> LoadedModel:
@@ -153,7 +167,7 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
     done = prune_loaded(ctx.lm, req, calib_device=ctx.calib_device, scores=earlier, text_model=ctx.text_model)
     result = done.result
     ctx.scores = None  # scores refer to the heads before pruning
-    ctx.meta.setdefault("kept_heads", [list(k) for k in result.selection.kept])
+    ctx.keep(result.selection.kept)
     out = {"heads_removed": result.summary()["heads_removed"]}
     if result.allocation:
         out["normalize"] = result.allocation["normalize"]
@@ -169,7 +183,8 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     done = convert_loaded(ctx.lm, req, calib_device=ctx.calib_device, text_model=ctx.text_model)
     ctx.lm.model = done.best.model
-    ctx.meta.setdefault("kv_groups", [[list(g) for g in p.groups] for p in done.best.plans])
+    ctx.meta["kv_groups"] = [[ctx.recipe_heads(i, g) for g in p.groups] for i, p in enumerate(done.best.plans)]
+    ctx.keep([p.order for p in done.best.plans])
     out: dict[str, Any] = {"merge": done.best.method,
                            "heldout_loss": {r["method"]: r.get("heldout_loss") for r in done.results}}
     gaps = {r["method"]: {"difference": r["difference"], "standard_error": r["standard_error"]}
@@ -303,7 +318,8 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         bool(v.get("sequential")))
     rewrites = rewriting_steps(recipe)
     lm = load_model(v["model"], rewrites=f"the recipe ({', '.join(rewrites)})" if rewrites else None, **load.kwargs())
-    ctx = Context(recipe, lm, calib_device=calib_device, dry_run=dry_run)
+    ctx = Context(recipe, lm, calib_device=calib_device, dry_run=dry_run,
+                  num_heads_before=[g.num_heads for g in lm.geometry])
     check_geometry(ctx)
     offloaded = has_offloaded_weights(lm.model)
     if rewrites or out:  # before any step runs, not in the middle of the recipe
