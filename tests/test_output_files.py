@@ -171,3 +171,20 @@ def test_a_score_document_where_nothing_can_be_written_is_refused_before_scoring
     """As root os.access passes on /proc; the write failed after the scoring pass."""
     r = runner.invoke(app, ["score", str(folder / "m"), *_data(folder), "-o", "/proc/headtool-scores.json"])
     assert r.exit_code == 2 and "cannot write into /proc" in r.stderr and "baseline loss" not in r.stderr
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_output_folder_has_the_modes_the_umask_gives(folder, tmp_path, streaming):
+    """Written into a private temporary folder and renamed into place, a model folder stayed 0700 and
+    its weights 0600: another user of the machine could not load the checkpoint."""
+    out = tmp_path / "pruned"
+    mask = os.umask(0o022)
+    try:
+        r = runner.invoke(app, ["prune", str(folder / "m"), "--heads", "1:0", "--unit", "head", "-o", str(out),
+                                *(["--streaming"] if streaming else [])])
+    finally:
+        os.umask(mask)
+    assert r.exit_code == 0, r.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes

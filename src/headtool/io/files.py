@@ -72,10 +72,22 @@ def probe_writable(folder: Path, what: str) -> None:
         raise UsageError(f"{what}: cannot write into {folder} ({reason})") from None
 
 
-def _default_mode() -> int:
+def default_mode(folder: bool = False) -> int:
+    """The mode a new file (or folder) gets from the umask, as `open` / `mkdir` would give it: a temporary
+    file or folder renamed into place is private (0600 / 0700) until set to this."""
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return (0o777 if folder else 0o666) & ~mask
+
+
+def open_up(folder: Path) -> None:
+    """Give a folder written privately (mkdtemp), and everything in it, the modes the umask gives new
+    files and folders, so that the output can be read as any other (a 0700 model folder and a 0600
+    weights file kept other users of a shared machine from loading it)."""
+    files, folders = default_mode(), default_mode(folder=True)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, folders if path.is_dir() else files)
 
 
 def write_file(path: str | os.PathLike, write: Callable[[str], None], suffix: str = ".tmp") -> None:
@@ -93,7 +105,7 @@ def write_file(path: str | os.PathLike, write: Callable[[str], None], suffix: st
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, stat.S_IMODE(real.stat().st_mode) if real.exists() else _default_mode())
+        os.chmod(tmp, stat.S_IMODE(real.stat().st_mode) if real.exists() else default_mode())
         os.replace(tmp, real)
     except BaseException:
         with contextlib.suppress(OSError):

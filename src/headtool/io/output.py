@@ -24,7 +24,7 @@ from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
-from .files import probe_writable
+from .files import open_up, probe_writable
 from .provenance import RECORD, card_lines
 from .sizes import parse_size
 
@@ -240,6 +240,7 @@ def finish_folder(tmp: Path, target: Path, *, model, source, tokenizer, meta: di
     (tmp / "headtool.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
     (tmp / "README.md").write_text(model_card(doc, kind, card_table, _auto_name(model)))
     files = sorted(p.name for p in tmp.iterdir())
+    open_up(tmp)
     _replace(tmp, target)
     return {"path": str(target), "config_kind": kind, "files": files}
 
