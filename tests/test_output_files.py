@@ -188,3 +188,13 @@ def test_an_output_folder_has_the_modes_the_umask_gives(folder, tmp_path, stream
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_bracketed_text_in_option_help_is_shown_not_read_as_markup():
+    """heal's own defaults ('[default: 2e-4; 1e-3 for lora]', ...) were eaten as rich markup."""
+    r = runner.invoke(app, ["heal", "--help"], env={"COLUMNS": "220"})
+    text = " ".join(r.stdout.split())
+    for shown in ("[default: 2e-4; 1e-3 for lora]", "[default: 5% of the steps]", "[default: 10 times a run]"):
+        assert shown in text, shown
+    for command in ("score", "prune", "convert-gqa", "convert-mla", "eval", "inspect", "heal", "run"):
+        assert "\\[" not in runner.invoke(app, [command, "--help"], env={"COLUMNS": "220"}).stdout, command

@@ -13,6 +13,7 @@ import typing
 from typing import Annotated, Any, Callable, Optional
 
 import typer
+from rich.markup import escape
 
 from ..model.placement import LoadOptions
 from ..optionspec import Opt, options_of
@@ -36,10 +37,11 @@ def option_param(opt: Opt, *, default_override: Any = _UNSET) -> inspect.Paramet
     if opt.optional or default is None:
         t = Optional[t]
     m = opt.meta
+    help_text = escape(m["help"])  # "[default: 2e-4; ...]" is text, not rich markup (it vanished from --help)
     if m["positional"]:
-        info = typer.Argument(help=m["help"], show_default=m["show_default"])
+        info = typer.Argument(help=help_text, show_default=m["show_default"])
     else:
-        info = typer.Option(*opt.flags, help=m["help"], rich_help_panel=m["panel"], show_default=m["show_default"])
+        info = typer.Option(*opt.flags, help=help_text, rich_help_panel=m["panel"], show_default=m["show_default"])
     if isinstance(default, tuple):
         default = list(default) or ...
     return inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=default,
