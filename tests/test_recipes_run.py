@@ -223,3 +223,20 @@ def test_kept_heads_name_the_recipe_models_heads_through_every_step(tmp_path):
         q = f"model.layers.{layer}.self_attn.q_proj.weight"
         d = before[q].shape[0] // 4
         assert torch.equal(after[q], torch.cat([before[q][h * d:(h + 1) * d] for h in kept]))
+
+
+def test_a_recipe_eval_marks_text_an_earlier_step_was_fitted_on(tmp_path):
+    """As `headtool eval` does: the eval step on the calibration's source is marked in-domain (it flatters),
+    the one on another domain is not (recipe evals carried no mark)."""
+    src = save_tiny("llama", tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\n"
+                      "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 4}\nsteps:\n"
+                      "  - prune: {heads: '1:0', compensate: true}\n"
+                      "  - eval: {data: {source: 'builtin:licenses', max_samples: 2}}\n"
+                      "  - eval: {data: {max_samples: 2}}\n")
+    res = runner.invoke(app, ["run", str(recipe), "--dry-run", "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    evals = [r for r in json.loads(res.stdout)["steps"] if r["step"] == "eval"]
+    assert [(r["data"], r["in_domain"]) for r in evals] == [("builtin:licenses", False), ("builtin:pydoc", True)]
+    assert "builtin:pydoc *" in res.stderr and "in-domain" in res.stderr

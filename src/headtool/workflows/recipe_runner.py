@@ -21,7 +21,7 @@ from ..data.selfgen import can_sample
 from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, written_record
+from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.scores_doc import build_document, write_document
 from ..measure.scoring import ScoreResult
 from ..model.info import model_info
@@ -61,7 +61,8 @@ class Context:
     original: Any = None  # the unmodified model, kept when an eval or heal step or `self` data needs it
     calib_device: Any = None  # with `sequential: true`: the device each layer visits during calibration
     scores: ScoreResult | None = None  # the last score step's, until a prune uses them
-    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: what the steps so far read (blocks_read infos): the output's data_read, and eval's in-domain mark
+    reads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: (source, seq_len, seed) -> leading blocks of it the calibrating steps read (evaluations start after)
     read: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
@@ -238,7 +239,11 @@ def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
     req = _after_the_calibration(ctx, step, build_request(ctx.recipe, step))
     res = eval_loaded(ctx.lm, req, ctx.original, ctx.text_model)
     before, after = res["before"], res["after"]
-    out = {"loss": after["loss"], "tokens": after["tokens"], "data": req.data.source}
+    out = {"loss": after["loss"], "tokens": after["tokens"], "data": req.data.source,
+           # as `headtool eval` marks it: text of a source an earlier step (or the recipe's model) was fitted on
+           "in_domain": fitted_on(written_record(ctx.reads, ctx.lm.path),
+                                  {"source": req.data.source,
+                                   "mixture": [{"source": p.source} for p in parse_sources(req.data.source)]})}
     if req.data.skip_samples:
         out["skip_samples"] = req.data.skip_samples
     if "perplexity" in after:
@@ -334,12 +339,11 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     if (any(s["step"] in ("eval", "heal") for s in recipe.steps) or _samples_itself(recipe, lm)) and not offloaded:
         ctx.original = copy.deepcopy(lm.model)  # (offloaded: only score/eval steps, the model stays unchanged)
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
-    reads: list[dict] = []
     for i, step in enumerate(recipe.steps):
         t0 = time.perf_counter()
         with blocks_read() as seen, (evaluation_reads() if step["step"] == "eval" else nullcontext()):
             figures = STEPS[step["step"]](ctx, step)
-        reads += seen
+        ctx.reads += seen
         for batch_info in seen:  # what later eval steps start after: the blocks a step fitted on
             if batch_info.get("role") != "eval":
                 for key, n in leading_blocks(batch_info).items():
@@ -354,7 +358,7 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
                 "source_fingerprint": source_fingerprint,
                 "num_heads": [g.num_heads for g in ctx.lm.geometry],
                 "num_kv_heads": [g.num_kv_heads for g in ctx.lm.geometry], **ctx.meta,
-                RECORD: written_record(reads, lm.path)}
+                RECORD: written_record(ctx.reads, lm.path)}
         card = "Recipe:\n\n```yaml\n" + yaml.safe_dump(resolved(recipe), sort_keys=False) + "```\n"
         result["output"] = write_output(out, model=ctx.lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                                         card_table=card, overwrite=ow, shard_size=v.get("shard_size", "5GB"))

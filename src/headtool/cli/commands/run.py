@@ -29,7 +29,8 @@ def render_summary(result: dict) -> None:
     for r in result["steps"]:
         after = r.get("loss_after", r.get("loss"))
         ppl = r.get("perplexity")
-        t.add_row(r["step"], r.get("data", ""), str(r["heads"]), _kv(r), human_int(r["params"]),
+        data = r.get("data", "") + (" *" if r.get("in_domain") else "")
+        t.add_row(r["step"], data, str(r["heads"]), _kv(r), human_int(r["params"]),
                   human_bytes(r["kv_cache_bytes_per_token"]),
                   "" if r.get("loss_before") is None else f"{r['loss_before']:.4f}",
                   "" if after is None else f"{after:.4f}",
@@ -37,6 +38,10 @@ def render_summary(result: dict) -> None:
                                           else f"{ppl:.2f}"),
                   f"{r['seconds']:.1f}s")
     err_console().print(t)
+    if any(r.get("in_domain") for r in result["steps"]):
+        from ...io.provenance import IN_DOMAIN_NOTE
+
+        err_console().print(f"* {IN_DOMAIN_NOTE}", markup=False)
     if result.get("output"):
         err_console().print(f"written to {result['output']['path']} ({result['output']['config_kind']})")
     elif result.get("dry_run"):
