@@ -28,8 +28,8 @@ import torch
 from ..console import info as tell
 from ..errors import UsageError
 from .selfgen import DEFAULT_SELF_SAMPLES, can_sample, self_blocks
-from .sources import (AUTO_OTHER, AUTO_SAMPLING, DataSpec, SourcePart, builtin_version, is_auto, load_source,
-                      parse_sources, self_source)
+from .sources import (AUTO_OTHER, AUTO_SAMPLING, SOURCE_PATH, DataSpec, SourcePart, builtin_version, file_identity,
+                      is_auto, load_source, parse_sources, self_source)
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,8 @@ def _mask_tokens(ids: torch.Tensor, tokenizer: Any, seed: int) -> tuple[torch.Te
 
 
 def _base_info(spec: DataSpec, task: str, split: str | None) -> dict:
-    info: dict = {"source": spec.source, "split": split, "seq_len": spec.seq_len, "seed": spec.seed, "task": task}
+    info: dict = {"source": spec.source, **file_identity(spec.source), "split": split, "seq_len": spec.seq_len,
+                  "seed": spec.seed, "task": task}
     if spec.source.startswith("builtin:"):
         info["source_version"] = builtin_version(spec.source)
     return info
@@ -514,8 +515,8 @@ def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, t
     if mixed:
         info["selection"] = "mixture"
         info["mixture"] = [
-            {"source": p.source, "weight": _weight_json(p.weight), "samples": used[i], "skip_samples": p.skip,
-             **{k: v for k, v in p.info.items() if k != "source"}}
+            {"source": p.source, **file_identity(p.source), "weight": _weight_json(p.weight), "samples": used[i],
+             "skip_samples": p.skip, **{k: v for k, v in p.info.items() if k != "source"}}
             for i, p in enumerate(parts)
         ]
         info["order"] = "weighted round-robin"
@@ -654,10 +655,11 @@ def evaluation_reads() -> Iterator[None]:
 def leading_blocks(info: dict) -> dict[tuple[str, int, int], int]:
     """(source, seq_len, seed) -> how many of the source's first blocks (in its seeded order) a
     Batches read, skipped ones included; every part of a mixture but `self`. A single-source cut
-    that skips these is disjoint from what was read."""
+    that skips these is disjoint from what was read. A local file is keyed by its resolved path
+    (`source_key`), so that ./a.txt finds the blocks a.txt read."""
     key = (info.get("seq_len"), info.get("seed"))
     parts = info.get("mixture") or [info]
-    return {(p["source"], *key): int(p.get("skip_samples") or 0) + int(p.get("samples") or 0)
+    return {(p.get(SOURCE_PATH) or p["source"], *key): int(p.get("skip_samples") or 0) + int(p.get("samples") or 0)
             for p in parts if isinstance(p.get("source"), str) and not self_source(p["source"])[0]}
 
 

@@ -38,6 +38,8 @@ and the text column apply to the sources that have columns.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import json
 import logging
@@ -597,6 +599,56 @@ def builtin_version(source: str) -> str:
     texts = licence_texts()
     digest = hashlib.sha256("\n\n".join(t for _, t in texts).encode()).hexdigest()[:16]
     return f"{len(texts)} licence texts of the installed packages (sha256 {digest}), {python}"
+
+
+#: The keys under which a Batches info (and a `data_read` entry) names a local file source: its resolved
+#: path and a digest of its bytes, so that ./a.txt, /abs/a.txt and a.txt from its folder are one source
+#: and an unrelated a.txt elsewhere is another (the source as typed says neither).
+SOURCE_PATH, SOURCE_SHA256 = "source_path", "source_sha256"
+
+
+def _local_path(source: Any) -> Path | None:
+    """The file or folder a --data source reads, when it reads one (as `_open_table` decides)."""
+    if not isinstance(source, str) or not source.strip() or source == "-" or source.startswith("builtin:"):
+        return None
+    if is_auto(source) or self_source(source)[0]:
+        return None
+    try:
+        path = Path(source).expanduser()
+        return path.resolve() if path.exists() else None
+    except (OSError, RuntimeError):  # a name too long for the file system, a symlink loop: no file
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes (cached per size and mtime: one command reads a file many times)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def file_identity(source: Any) -> dict[str, str]:
+    """{source_path, source_sha256} of a local file source ({source_path} of a folder), {} for any
+    other (builtin:, self, stdin, a hub name): what `data_read` compares instead of the typed path."""
+    path = _local_path(source)
+    if path is None:
+        return {}
+    if not path.is_file():
+        return {SOURCE_PATH: str(path)}
+    try:
+        st = path.stat()
+        return {SOURCE_PATH: str(path), SOURCE_SHA256: _file_digest(str(path), st.st_size, st.st_mtime_ns)}
+    except OSError:
+        return {SOURCE_PATH: str(path)}
+
+
+def source_key(source: str) -> str:
+    """One name per source however it is written: a local file's resolved path, else the source."""
+    path = _local_path(source)
+    return source if path is None else str(path)
 
 
 def _looks_like_path(source: str) -> bool:

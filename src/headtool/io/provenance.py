@@ -6,13 +6,17 @@ refits, merges, factorizations, training) or only to evaluate, together with wha
 started from had recorded. `headtool eval` reads these records (`data_plan.evaluation_cut`): its
 blocks start after every block any of the models was fitted on of the evaluated source (the same
 cut prune's --eval-data and recipes make), and it marks the models fitted on the evaluated text's
-domain, where a figure flatters them. The model card lists the same texts.
+domain, where a figure flatters them. The model card lists the same texts. A local file is matched by
+its resolved path or content (`source_path`, `source_sha256`) where both sides have them, so the
+spelling of its path does not matter; records without them match by the source as typed.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Iterable
+
+from ..data.sources import SOURCE_PATH, SOURCE_SHA256, file_identity
 
 RECORD = "data_read"
 FIT, EVAL = "fit", "eval"
@@ -21,34 +25,59 @@ FIT, EVAL = "fit", "eval"
 def read_entries(infos: Iterable[dict]) -> list[dict]:
     """One entry per (source, seq_len, seed, role): how many of the source's first blocks (in its
     seeded order, skipped ones included) were read; a mixture gives an entry for itself (its
-    blocks are positions in its schedule) and one per part (`part`: true)."""
-    seen: dict[tuple, int] = {}
+    blocks are positions in its schedule) and one per part (`part`: true). A local file's entry
+    carries the identity its Batches info recorded (`file_identity`) beside the path as typed."""
+    seen: dict[tuple, dict] = {}
     for info in infos:
         role = info.get("role", FIT)
         for p in [info, *(info.get("mixture") or [])]:
             if isinstance(p.get("source"), str):
-                key = (p["source"], info.get("seq_len"), info.get("seed"), role, p is not info)
-                blocks = int(p.get("skip_samples") or 0) + int(p.get("samples") or 0)
-                seen[key] = max(seen.get(key, 0), blocks)
+                entry = _entry(p["source"], _identity(p), info.get("seq_len"), info.get("seed"), role, p is not info)
+                _keep(seen, entry, int(p.get("skip_samples") or 0) + int(p.get("samples") or 0))
     return _entries(seen)
 
 
 def merged(*records: Iterable[dict] | None) -> list[dict]:
     """The records together, the largest count kept for each (source, seq_len, seed, role)."""
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, dict] = {}
     for record in records:
         for e in record or ():
-            key = (e["source"], e.get("seq_len"), e.get("seed"), e.get("role", FIT), bool(e.get("part")))
-            seen[key] = max(seen.get(key, 0), int(e.get("blocks") or 0))
+            entry = _entry(e["source"], _identity(e), e.get("seq_len"), e.get("seed"), e.get("role", FIT),
+                           bool(e.get("part")))
+            _keep(seen, entry, int(e.get("blocks") or 0))
     return _entries(seen)
 
 
-def _entries(seen: dict[tuple, int]) -> list[dict]:
-    """JSON entries of (source, seq_len, seed, role, part) -> blocks, in a stable order."""
+def _identity(p: dict) -> dict[str, str]:
+    """The identity of a local file an info or entry recorded ({} for other sources, old records)."""
+    return {k: p[k] for k in (SOURCE_PATH, SOURCE_SHA256) if isinstance(p.get(k), str)}
+
+
+def _entry(source: str, identity: dict, seq_len, seed, role: str, part: bool) -> dict:
+    """A record entry without its count, in the order headtool.json shows it."""
+    entry = {"source": source, **identity, "seq_len": seq_len, "seed": seed, "role": role}
+    return {**entry, "part": True} if part else entry
+
+
+def _keep(seen: dict[tuple, dict], entry: dict, blocks: int) -> None:
+    """The largest count per (source, seq_len, seed, role, part); a local file is one source by its
+    resolved path however it was typed (the first spelling is kept)."""
+    key = (entry.get(SOURCE_PATH) or entry["source"], entry["seq_len"], entry["seed"], entry["role"],
+           bool(entry.get("part")))
+    held = seen.setdefault(key, entry)
+    held["blocks"] = max(int(held.get("blocks") or 0), blocks)
+
+
+def _entries(seen: dict[tuple, dict]) -> list[dict]:
+    """The JSON entries in a stable order."""
+    def order(e: dict) -> tuple:
+        return tuple(map(str, (e["source"], e["seq_len"], e["seed"], e["role"], bool(e.get("part")),
+                               e.get(SOURCE_PATH, ""))))
+
     out = []
-    for (source, seq_len, seed, role, part), blocks in sorted(seen.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        entry = {"source": source, "seq_len": seq_len, "seed": seed, "role": role, "blocks": blocks}
-        out.append({**entry, "part": True} if part else entry)
+    for e in sorted(seen.values(), key=order):  # blocks before part, as before
+        part = e.pop("part", False)
+        out.append({**e, "part": True} if part else e)
     return out
 
 
@@ -87,17 +116,38 @@ def card_lines(record: list[dict] | None) -> list[str]:
     return lines
 
 
+def same_source(entry: dict, source: str, identity: dict) -> bool:
+    """Does a record's entry name `source` (whose `file_identity` is `identity`)? Where both name a
+    local file, by its resolved path or its content, however either path was typed (./a.txt,
+    /abs/a.txt); otherwise (builtin:, self, hub names, records written before headtool recorded
+    paths) by the source as typed."""
+    if entry.get(SOURCE_PATH) and identity.get(SOURCE_PATH):
+        digest = entry.get(SOURCE_SHA256)
+        return entry[SOURCE_PATH] == identity[SOURCE_PATH] or (digest is not None
+                                                               and digest == identity.get(SOURCE_SHA256))
+    return entry["source"] == source
+
+
+def _fitted(record: list[dict], named: list[tuple[str, dict]]) -> bool:
+    """Was the record's model fitted on one of `named` ((source, identity) pairs)?"""
+    return any(same_source(e, source, identity) for e in record if e.get("role", FIT) == FIT
+               for source, identity in named)
+
+
 def fitted_on_any(record: list[dict], sources: set[str]) -> bool:
-    """Was the record's model fitted on one of `sources` (a text's source and its mixture's parts)?
-    Then a figure measured on that text is in-domain and flatters."""
-    return any(e["source"] in sources for e in record if e.get("role", FIT) == FIT)
+    """Was the record's model fitted on one of `sources` (a text's source and its mixture's parts,
+    local files named as they are from here)? Then a figure measured on that text is in-domain and
+    flatters."""
+    return _fitted(record, [(s, file_identity(s)) for s in sources if isinstance(s, str)])
 
 
 def fitted_on(record: list[dict], info: dict | None) -> bool:
-    """`fitted_on_any` for the source of `info` (a Batches info) and its mixture's parts."""
+    """`fitted_on_any` for the source of `info` (a Batches info of this run: the identities it
+    recorded, else those of its local files named from here) and its mixture's parts."""
     if not info:
         return False
-    return fitted_on_any(record, {info.get("source"), *(p.get("source") for p in info.get("mixture") or [])})
+    return _fitted(record, [(p["source"], _identity(p) or file_identity(p["source"]))
+                            for p in [info, *(info.get("mixture") or [])] if isinstance(p.get("source"), str)])
 
 
 IN_DOMAIN_NOTE = "in-domain: the model was fitted on this text's source, so the figure flatters"

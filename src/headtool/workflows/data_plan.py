@@ -8,9 +8,9 @@ from typing import Any
 
 from ..console import info
 from ..data.batches import Batches, evaluation_reads, leading_blocks, make_batches, mixture_schedule
-from ..data.sources import DataSpec, parse_sources, self_source
+from ..data.sources import DataSpec, file_identity, parse_sources, self_source, source_key
 from ..errors import UsageError
-from ..io.provenance import FIT, fitted_on_any
+from ..io.provenance import FIT, fitted_on_any, same_source
 
 
 def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec | None:
@@ -119,7 +119,7 @@ def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: in
     that would start inside them starts after them."""
     espec, skip = _eval_spec(spec, eval_data, eval_samples, used)
     if held is not None and spec is not None and held.info.get("source") != spec.source:
-        after = leading_blocks(held.info).get((espec.source, espec.seq_len, espec.seed), 0)
+        after = leading_blocks(held.info).get((source_key(espec.source), espec.seq_len, espec.seed), 0)
         if skip < after and not (isinstance(eval_data, DataSpec) and eval_data.skip_samples):
             espec, skip = replace(espec, skip_samples=after), after
     return espec, skip
@@ -215,12 +215,13 @@ def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> Eva
     sources; and which read its source with another block length or seed (those blocks cannot be
     skipped exactly: the text may overlap)."""
     names = {spec.source, *(p.source for p in parse_sources(spec.source))}
+    identity = file_identity(spec.source)  # a local file: its records match however its path was typed
     needed, read_by, other = 0, [], []
     in_domain: dict[str, bool | None] = {}
     for ref, record in records.items():
         in_domain[ref] = None if record is None else fitted_on_any(record, names)
         for e in record or ():
-            if e["source"] != spec.source or e.get("role", FIT) != FIT:
+            if not same_source(e, spec.source, identity) or e.get("role", FIT) != FIT:
                 continue  # (blocks a command only evaluated on need no skipping: eval may report on them too)
             same_cut = (e.get("seq_len"), e.get("seed")) == (spec.seq_len, spec.seed)
             needed = max(needed, int(e["blocks"])) if same_cut else needed

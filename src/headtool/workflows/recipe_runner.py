@@ -18,7 +18,7 @@ import yaml
 from ..console import info, warn
 from ..data.batches import blocks_read, evaluation_reads, leading_blocks
 from ..data.selfgen import can_sample
-from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source
+from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source, source_key
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, written_record
@@ -225,11 +225,12 @@ def _after_the_calibration(ctx: Context, step: dict, req: Any) -> Any:
     d = req.data
     if "skip_samples" in (step_data(ctx.recipe, step) or {}) or len(parse_sources(d.source)) > 1:
         return req
-    n = ctx.read.get((d.source, d.seq_len, d.seed))
+    key = source_key(d.source)  # ctx.read names a local file by its resolved path (leading_blocks)
+    n = ctx.read.get((key, d.seq_len, d.seed))
     if n:
         info(f"eval on {d.source}: from block {n} on (earlier steps read the {n} before it)")
         return dataclasses.replace(req, data=dataclasses.replace(d, skip_samples=n))
-    if any(source == d.source for source, _, _ in ctx.read):
+    if any(source == key for source, _, _ in ctx.read):
         warn(f"eval on {d.source}: earlier steps read it with another seq_len or seed, so its blocks may "
              "overlap theirs; give the eval step skip_samples")
     return req
