@@ -173,3 +173,17 @@ def test_model_options_are_declared_once_for_every_command_and_recipes():
                                                                                else 3), key
     assert TOP_KEYS["dtype"]("float64") == "must be one of auto, float32, bfloat16, float16, got 'float64'"
     assert TOP_KEYS["dtype"]("bfloat16") is None
+
+
+@pytest.mark.parametrize("command", ["prune", "convert-gqa", "convert-mla"])
+def test_heldout_samples_help_states_the_default_the_code_uses(command):
+    """The held-out default is max(4, calibration // 4) (data_plan.calibration_blocks, prune._data):
+    the help said 'a quarter of the calibration' and left out the floor of 4 blocks."""
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    rows = [ln.replace("│", " ") for ln in res.output.splitlines()]
+    start = next(i for i, ln in enumerate(rows) if ln.split()[:1] == ["--heldout-samples"])
+    text = " ".join(" ".join(rows[start:start + 4]).split())
+    assert "a quarter of the calibration blocks, at least 4" in text, text

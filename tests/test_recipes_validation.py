@@ -135,3 +135,46 @@ def test_a_step_is_checked_as_its_command_checks_it_before_the_model_loads(tmp_p
         assert f"{p}:4:" in r.stderr and "steps.0 (prune): --allocation-margin weighs a comparison" in r.stderr
         assert f"{p}:5:" in r.stderr and "steps.1 (prune): --anchor 'sideways'" in r.stderr
         assert "Traceback" not in r.output and not (tmp_path / "out").exists()
+
+
+def test_options_nothing_reads_are_refused_in_a_recipe_step_as_on_the_command_line(tmp_path):
+    """A refit's options without the refit, and --eval-samples without --eval-data, are the commands'
+    usage errors (they were silently ignored): a recipe step shares the request, so `run --check` lists
+    each such step before the model loads."""
+    from typer.testing import CliRunner
+
+    from headtool.cli import app
+
+    p = tmp_path / "r.yaml"
+    p.write_text("model: smollm2-135m\ndata: {source: builtin:pydoc, max_samples: 4}\nsteps:\n"
+                 "  - prune: {fraction: 0.3, damping: 0.5, anchor: 2}\n"
+                 "  - convert_gqa: {kv_heads: 1, merge: mean, anchor: 2}\n"
+                 "  - prune: {fraction: 0.1, eval_samples: 3}\n"
+                 "  - convert_mla: {kv_rank: 4, refit: false, anchor: 0, eval_samples: 2}\n")
+    r = CliRunner().invoke(app, ["run", str(p), "--check", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "has 4 problem(s)" in r.stderr, r.output
+    assert f"{p}:4:" in r.stderr and "steps.0 (prune): --damping, --anchor only apply to the refit" in r.stderr
+    assert f"{p}:5:" in r.stderr and "steps.1 (convert_gqa): --anchor only applies to the output-projection refit" \
+        in r.stderr
+    assert f"{p}:6:" in r.stderr and "steps.2 (prune): --eval-samples only applies with --eval-data" in r.stderr
+    assert f"{p}:7:" in r.stderr and "steps.3 (convert_mla): --anchor only applies" in r.stderr
+
+
+def test_options_read_in_some_combinations_stay_accepted_there():
+    """Where the code reads them, they are not refused: --heldout-data picks where a --normalize list is
+    compared without --compensate; convert-mla's --damping also regularizes the latent factorization;
+    convert-gqa's held-out blocks judge any merge that calibrates (similarity grouping, a data merge)."""
+    from headtool.surgery.merging import DATA_METHODS
+    from headtool.workflows.requests import MERGE_METHODS, ConvertRequest, LatentRequest, PruneRequest
+
+    PruneRequest("m", fraction=0.25, normalize="layer,none", heldout_data="builtin:licenses").validate()
+    PruneRequest("m", fraction=0.25, compensate=True, damping=0.5, anchor="2", heldout_samples=2,
+                 eval_samples=3, eval_data="builtin:licenses").validate()
+    LatentRequest("m", kv_rank=4, refit=False, damping=0.1).validate()
+    ConvertRequest("m", 1, merge="mean", grouping="similarity", heldout_samples=2).validate()
+    ConvertRequest("m", 1, merge="mean", refit=True, anchor="2", damping=0.1).validate()
+    ConvertRequest("m", 1, merge="aligned", heldout_data="builtin:licenses").validate()
+    # what ConvertRequest.reads_data calls a merge that reads data is the merging code's own list
+    assert set(MERGE_METHODS) - {"mean"} == set(DATA_METHODS)
+    with pytest.raises(UsageError, match="--damping only applies to the output-projection refit"):
+        ConvertRequest("m", 1, merge="aligned", damping=0.1).validate()

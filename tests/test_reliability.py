@@ -385,6 +385,37 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
     ("demo-output-is-a-file", lambda e: ["demo", "-o", e.file("demo.txt", "not a folder")], ("not a folder",)),
     ("heal-teacher-missing", lambda e: ["heal", e.m(), "--teacher", str(e.tmp / "nope"), "-o", str(e.out),
                                         "--max-samples", "1"], ("not found",)),
+    # options that nothing reads in this combination (accepted and silently ignored before: audit)
+    ("prune-refit-options-without-compensate", lambda e: _prune(e, e.m(), "--heads", "0:0,2", "--damping", "0.5",
+                                                                "--anchor", "2", "--refit-layers", "all"),
+     ("--refit-layers, --damping, --anchor only apply to the refit, which needs --compensate",)),
+    ("prune-heldout-without-compensate", lambda e: _prune(e, e.m(), "--heads", "0:0,2", "--heldout-samples", "3",
+                                                          "--heldout-data", "builtin:licenses"),
+     ("--heldout-samples, --heldout-data only apply to the refit, which needs --compensate",)),
+    ("prune-choose-refit-without-compensate", lambda e: _prune(e, e.m(), "--scores", str(e.base / "scores.json"),
+                                                               "--fraction", "0.25", "--choose-in-layer", "refit"),
+     ("--choose-in-layer refit only applies to the refit, which needs --compensate",)),
+    ("prune-eval-samples-without-eval-data", lambda e: _prune(e, e.m(), "--heads", "0:0,2", "--eval-samples", "3"),
+     ("--eval-samples only applies with --eval-data",)),
+    ("convert-refit-options-with-mean", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--merge", "mean",
+                                                   "--damping", "0.1", "--anchor", "2", "-o", str(e.out)],
+     ("--damping, --anchor only apply to the output-projection refit, which --merge mean does not make",)),
+    ("convert-anchor-with-no-refit", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--no-refit", "--anchor",
+                                                "0", "-o", str(e.out)],
+     ("--anchor only applies to the output-projection refit, which --no-refit turns off",)),
+    ("convert-heldout-nothing-calibrated", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--merge", "mean",
+                                                      "--heldout-samples", "2", "-o", str(e.out)],
+     ("--heldout-samples only applies to a conversion that calibrates",)),
+    ("convert-eval-samples-without-eval-data", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--eval-samples",
+                                                          "2", "-o", str(e.out)],
+     ("--eval-samples only applies with --eval-data",)),
+    ("latent-refit-options-with-no-refit", lambda e: ["convert-mla", e.m(), "--kv-rank", "4", "--no-refit",
+                                                      "--anchor", "0", "--heldout-samples", "2", "--heldout-data",
+                                                      "builtin:licenses", "-o", str(e.out)],
+     ("--anchor, --heldout-samples, --heldout-data only apply to the output-projection refit, which --no-refit",)),
+    ("latent-eval-samples-without-eval-data", lambda e: ["convert-mla", e.m(), "--kv-rank", "4", "--eval-samples",
+                                                         "2", "-o", str(e.out)],
+     ("--eval-samples only applies with --eval-data",)),
 ]
 
 
@@ -456,6 +487,25 @@ def test_bad_input_subprocess(args, base: Path, tmp_path: Path) -> None:
     assert p.stdout == ""
     assert not (tmp_path / "out").exists() and strays(tmp_path, "out") == []
     assert tree_hashes(base / "llama") == before
+
+
+def test_debug_is_taken_after_the_command_too(tmp_path: Path) -> None:
+    """`headtool info X --debug` failed 'No such option: --debug' (the parser takes it only before the
+    command); the README says --debug shows the traceback, wherever it is typed."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HEADTOOL_NO_PROGRESS": "1"}
+    env.pop("HEADTOOL_DEBUG", None)
+    p = subprocess.run([sys.executable, "-m", "headtool", "info", str(tmp_path / "nope"), "--debug"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" in p.stderr and "error: model not found" in p.stderr, p.stderr
+
+
+def test_debug_moves_before_the_command_but_not_past_a_double_dash() -> None:
+    from headtool.cli.app import debug_first
+
+    assert debug_first(["h", "info", "x", "--debug"]) == ["h", "--debug", "info", "x"]
+    assert debug_first(["h", "--debug", "info", "x"]) == ["h", "--debug", "info", "x"]
+    assert debug_first(["h", "run", "r.yaml", "--", "--debug"]) == ["h", "run", "r.yaml", "--", "--debug"]
 
 
 # --------------------------------------------------------------------------- disk full

@@ -88,6 +88,42 @@ def test_eval_speed_bad_input_exits_2(two_llamas, extra, message):
     assert message in res.stderr
 
 
+LOSS_OPTIONS = ["--batch-size", "16", "--seq-len", "8", "--max-samples", "1", "--objective", "mlm",
+                "--skip-samples", "99999", "--num-tokens", "3", "--split", "train", "--text-column", "t"]
+
+
+def test_eval_speed_refuses_the_loss_options_it_would_ignore(two_llamas):
+    """--speed times generation on tokens of --data: the loss evaluation's options were accepted and
+    silently ignored (a normal speed table, exit 0); now one line names each of them, before any work."""
+    res = runner.invoke(app, ["eval", str(two_llamas[0]), "--speed", *LOSS_OPTIONS])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "without --speed" in lines[0], res.stderr
+    for flag in LOSS_OPTIONS[::2]:
+        assert flag in lines[0], (flag, lines[0])
+    assert "use --batch instead of --batch-size, --context instead of --seq-len" in lines[0]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--batch-size", "16"], "--batch-size only applies without --speed (the loss evaluation); with --speed use "
+                             "--batch instead of --batch-size"),
+    (["--seq-len", "128"], "--seq-len only applies without --speed"),  # typed, even at its default
+    (["--objective", "auto", "--max-samples", "1"], "--objective, --max-samples only apply without --speed"),
+])
+def test_eval_speed_names_each_loss_option_given(two_llamas, extra, message):
+    res = runner.invoke(app, ["eval", str(two_llamas[0]), "--speed", *extra])
+    assert res.exit_code == 2 and message in res.stderr, res.output
+
+
+def test_eval_speed_reads_data_and_seed(two_llamas):
+    """--data and --seed choose the timed tokens: accepted with --speed and recorded."""
+    res = runner.invoke(app, ["eval", str(two_llamas[0]), "--speed", "--data", "builtin:licenses", "--seed", "3",
+                              "--context", "16", "--new-tokens", "2", "--repeats", "1", "--warmup", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    settings = json.loads(res.stdout)["settings"]
+    assert settings["source"] == "builtin:licenses" and settings["seed"] == 3
+
+
 def test_eval_help_states_the_speed_defaults_the_measurement_uses():
     """--batch/--context/... say their defaults from SpeedSpec itself (one place), torch-free."""
     import dataclasses

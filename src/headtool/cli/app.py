@@ -167,6 +167,36 @@ def info(
 
 
 _SPEED = SpeedSpec()  # eval --speed's defaults, for its --help
+#: what a speed run reads of the eval options: its tokens come from --data, cut with --seed
+_SPEED_READS = ("source", "seed")
+#: the speed options that do what a refused loss option may have been meant for
+_SPEED_INSTEAD = {"--batch-size": "--batch", "--seq-len": "--context"}
+
+
+def given_options(ctx: typer.Context, names: set[str]) -> list[str]:
+    """The long flags of the parameters among `names` that the command line set (its parameter
+    source, so an option typed with its default value counts as given too)."""
+    flags = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name in names else None
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            flags.append(next((o for o in param.opts if o.startswith("--")), param.opts[0]))
+    return flags
+
+
+def refuse_loss_options(ctx: typer.Context) -> None:
+    """eval --speed times generation on --data's tokens; the loss evaluation's options (block length,
+    batch, sample counts, objective...) would be ignored, so giving one is a usage error."""
+    from ..data.sources import DataSpec
+    from ..optionspec import options_of
+
+    loss = {o.name for o in (*options_of(DataSpec), *options_of(EvalRequest))} - {"models", *_SPEED_READS}
+    given = given_options(ctx, loss)
+    if not given:
+        return
+    instead = [f"{speed} instead of {flag}" for flag, speed in _SPEED_INSTEAD.items() if flag in given]
+    raise UsageError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} without --speed (the loss "
+                     "evaluation)" + (f"; with --speed use {', '.join(instead)}" if instead else ""))
 
 
 @app.command("eval")
@@ -174,8 +204,10 @@ _SPEED = SpeedSpec()  # eval --speed's defaults, for its --help
 @data_options()
 @command_options(EvalRequest)
 def eval_cmd(
-    speed: Annotated[bool, typer.Option("--speed", help="measure inference speed and memory instead of loss",
-                                        rich_help_panel="Speed")] = False,
+    ctx: typer.Context,
+    speed: Annotated[bool, typer.Option("--speed", help="measure inference speed and memory instead of loss, on "
+                                        "tokens of --data (with --seed); the other data options and --objective "
+                                        "apply without --speed", rich_help_panel="Speed")] = False,
     batch: Annotated[Optional[int], typer.Option("--batch", help=f"sequences per forward (default {_SPEED.batch})",
                                                  rich_help_panel="Speed")] = None,
     context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default "
@@ -215,6 +247,7 @@ def eval_cmd(
         from ..workflows.evaluate import SpeedRequest, run_speed
         from .render import speed_table
 
+        refuse_loss_options(ctx)
         spec = SpeedSpec(**{k: v for k, v in speed_opts.items() if v is not None})
         ds = data_spec or DataSpec()
         doc = run_speed(SpeedRequest(fields["models"], spec, source=ds.source, seed=ds.seed, load=load))
@@ -248,9 +281,20 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def debug_first(argv: list[str]) -> list[str]:
+    """argv with --debug moved before the command, the only place the parser takes it, so that it
+    works anywhere (`headtool info x --debug`) as the README says; after `--` it is an argument."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" not in argv[1:end]:
+        return argv
+    rest = [a for a in argv[1:end] if a != "--debug"]
+    return [argv[0], "--debug", *rest, *argv[end:]]
+
+
 def main() -> None:
     """Console-script entry point."""
-    if "--debug" in sys.argv[1:]:
+    sys.argv = debug_first(sys.argv)
+    if "--debug" in sys.argv[1:2]:
         _state["debug"] = True
     app()
 

@@ -21,7 +21,6 @@ from ..model.placement import require_resident_weights, sequential_placement
 from ..surgery.compensation import refit_table
 from ..surgery.merging import (
     CONVERT_INSTEAD,
-    DATA_METHODS,
     GROUPINGS,
     METHODS,
     LayerPlan,
@@ -206,7 +205,7 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
     methods = _methods(req.merge)
     check_target(lm.adapter, lm.geometry, req.kv_heads)
     tm = text_model or lm  # the model `--data self` samples from
-    needs_data = req.grouping == "similarity" or any(m in DATA_METHODS for m in methods) or bool(req.refit)
+    needs_data = req.reads_data  # (the request's, so that its checks refuse what no data reads)
     spec = with_default_blocks(req.data or DataSpec(), req.default_blocks)
     objective = resolve_objective("auto", lm.task)
     data_task = DATA_TASK[objective]

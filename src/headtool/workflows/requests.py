@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from ..data.sources import AUTO_SOURCE, DataSpec
 from ..model.placement import LoadOptions
-from ..optionspec import CLI_ONLY, RECIPE, option
+from ..optionspec import CLI_ONLY, RECIPE, option, options_of
 from ..surgery.prune_defaults import (BEAM_MAX_HEADS, DEFAULT_PRUNE_DAMPING, FEW_TOKENS_ANCHOR_POWER,
                                       MANY_CALIBRATION_TOKENS, MANY_TOKENS_ANCHOR_POWER)
 from ..train.options import HealOptions
@@ -99,6 +99,32 @@ def _conversion_eval_data():
 
 def _conversion_eval_samples():
     return option(32, "blocks of --eval-data", min=1)
+
+
+#: the help of every --heldout-samples default: what data_plan does (max(4, calibration // 4))
+HELDOUT_DEFAULT = "a quarter of the calibration blocks, at least 4"
+
+
+def given(request, names: tuple[str, ...]) -> list[str]:
+    """The flags of the options among `names` set to other than their declared defaults (a request
+    holds values, not where they came from): which options a combination check must name."""
+    declared = {o.name: o for o in options_of(type(request))}
+    return [declared[n].flag for n in names if getattr(request, n) != declared[n].default]
+
+
+def _refuse_unused(flags: list[str], where: str) -> None:
+    """One usage error naming every option in `flags` (when any): they only apply `where`, and a value
+    that nothing reads would let a run look tuned when it was not."""
+    from ..errors import UsageError
+
+    if flags:
+        raise UsageError(f"{', '.join(flags)} only appl{'ies' if len(flags) == 1 else 'y'} {where}")
+
+
+def _check_eval_samples(request) -> None:
+    """--eval-samples counts blocks of --eval-data (prune, convert-gqa, convert-mla): alone it does nothing."""
+    if request.eval_data is None:
+        _refuse_unused(given(request, ("eval_samples",)), "with --eval-data (it counts its blocks)")
 
 
 def _check_with_anchor(request) -> None:
@@ -231,7 +257,7 @@ class PruneRequest:
                                         f"{PRUNE_CALIBRATION_BLOCKS} blocks of 128)",
                                         min=0, panel=_C)
     heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
-                                  "none); 0: no check, unless --heldout-data (then a quarter of the calibration)",
+                                  f"none); 0: no check, unless --heldout-data (then {HELDOUT_DEFAULT})",
                                   min=0, panel=_C)
     heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP, panel=_C)
     eval_data: str | DataSpec | None = option(None, "measure loss / perplexity before and after on this data "
@@ -267,12 +293,22 @@ class PruneRequest:
         loss, lm or mlm, is checked where the objective is known)."""
         return self.compensate and self.threshold is None and self.scope != "layer" and self.refits
 
+    def refit_options_given(self) -> list[str]:
+        """The refit's options set to other than their defaults; without --compensate nothing reads
+        them (--heldout-data also picks where a --normalize list is compared: then it is read)."""
+        names = ("refit_layers", "damping", "anchor", "anchor_power", "heldout_samples")
+        flags = given(self, names + (() if "," in self.normalize else ("heldout_data",)))
+        return flags + (["--choose-in-layer refit"] if self.choose_in_layer == "refit" else [])
+
     def validate(self) -> None:
         _check_with_anchor(self)
         from ..errors import UsageError
 
-        if self.anchor_power is not None and not self.compensate:
-            raise UsageError("--anchor-power scales the refit's anchor: it needs --compensate")
+        if not self.compensate:
+            flags = self.refit_options_given()
+            also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""
+            _refuse_unused(flags, "to the refit, which needs --compensate" + also)
+        _check_eval_samples(self)
         compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
         if self.allocation_margin and not compares:
             raise UsageError("--allocation-margin weighs a comparison of normalizations: give --normalize with "
@@ -290,7 +326,8 @@ class PruneRequest:
 @dataclass(frozen=True)
 class ConvertRequest:
     """convert-gqa's options and defaults. `merge` is one method or a comma list to compare;
-    `refit` None means on for fit; `heldout_samples` None means a quarter of the calibration."""
+    `refit` None means on for fit; `heldout_samples` None means a quarter of the calibration blocks,
+    at least 4."""
 
     model: str = _model()
     kv_heads: int = option(help="KV heads per layer after merging (1 = MQA)", min=1)
@@ -303,7 +340,7 @@ class ConvertRequest:
     damping: float = option(1e-2, "ridge damping of the refit, relative", min=0)
     anchor: str = option("1", ANCHOR_HELP)
     heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) and the "
-                                         "merge are chosen (default: a quarter of the calibration)", min=0)
+                                         f"merge are chosen (default: {HELDOUT_DEFAULT})", min=0)
     heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
     eval_data: str | DataSpec | None = _conversion_eval_data()
     eval_samples: int = _conversion_eval_samples()
@@ -318,8 +355,32 @@ class ConvertRequest:
 
     default_blocks: ClassVar[int | None] = CALIBRATION_BLOCKS
 
+    @property
+    def methods(self) -> list[str]:
+        """The --merge methods, in order, once each."""
+        return list(dict.fromkeys(m.strip() for m in self.merge.split(",") if m.strip()))
+
+    @property
+    def refits(self) -> bool:
+        """Whether some merge is followed by the output-projection refit (--refit, or fit's default)."""
+        return self.refit if self.refit is not None else "fit" in self.methods
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether the conversion calibrates: a merge or grouping that reads activations, or a refit."""
+        return self.grouping == "similarity" or self.methods != ["mean"] or self.refits
+
     def validate(self) -> None:
         _check_with_anchor(self)
+        if not self.refits:
+            why = ("--no-refit turns off" if self.refit is False else
+                   f"--merge {self.merge} does not make (--merge fit does, or add --refit)")
+            _refuse_unused(given(self, ("damping", "anchor")), f"to the output-projection refit, which {why}")
+        if not self.reads_data:
+            _refuse_unused(given(self, ("heldout_samples", "heldout_data")),
+                           "to a conversion that calibrates: --merge mean with contiguous groups and no --refit "
+                           "reads no data")
+        _check_eval_samples(self)
 
 
 def parse_budget(value: float | int | str) -> float:
@@ -368,7 +429,7 @@ class LatentRequest:
                          "where it lowers the held-out error", flags=("--refit/--no-refit",))
     anchor: str = option("1", ANCHOR_HELP)
     heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) is chosen "
-                                         "(default: a quarter of the calibration)", min=0)
+                                         f"(default: {HELDOUT_DEFAULT})", min=0)
     heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
     eval_data: str | DataSpec | None = _conversion_eval_data()
     eval_samples: int = _conversion_eval_samples()
@@ -393,6 +454,10 @@ class LatentRequest:
         from ..errors import UsageError
 
         _check_with_anchor(self)
+        if not self.refit:
+            _refuse_unused(given(self, ("anchor", "heldout_samples", "heldout_data")),
+                           "to the output-projection refit, which --no-refit turns off")
+        _check_eval_samples(self)
         if self.rope_dim is not None and self.rope_dim % 2:
             raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
         if (self.kv_rank is None) == (self.kv_cache is None):
