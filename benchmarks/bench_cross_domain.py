@@ -493,8 +493,9 @@ def main() -> None:
             t0 = time.perf_counter()
             extra = {"heldout_data": DataSpec(source=heldout, seq_len=a.seq_len, batch_size=a.batch_size,
                                               max_samples=a.held, seed=a.seed)} if heldout else {}
-            req = ConvertRequest(model=MODEL, kv_heads=1, merge=method, data=spec, heldout_samples=a.held,
-                                 anchor=anchor, **extra)
+            if method not in DATA_FREE_MERGES:  # a data-free merge reads no data and refits nothing
+                extra.update(heldout_samples=a.held, **({"anchor": anchor} if method == "fit" else {}))
+            req = ConvertRequest(model=MODEL, kv_heads=1, merge=method, data=spec, **extra)
             conv = convert_loaded(lm, req, text_model=lm)
             conv_s = time.perf_counter() - t0
             ev, eval_s = ppl_all(conv.best.model)

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                      "surgery_seconds": round(time.perf_counter() - t0, 1)}, done.conv.model)
         if a.gqa:
             t0 = time.perf_counter()
-            req = ConvertRequest(model=a.model, kv_heads=1, merge=a.gqa, data=spec, heldout_samples=a.held)
+            held = {} if a.gqa == "mean" else {"heldout_samples": a.held}  # mean reads no data
+            req = ConvertRequest(model=a.model, kv_heads=1, merge=a.gqa, data=spec, **held)
             conv = convert_loaded(lm, req, text_model=lm)
             add({"change": f"convert-gqa --kv-heads 1, merge {a.gqa}", "kind": "gqa", "method": a.gqa,
                  "calibration": calibration, "calibrated_on": calibrated_on,
