@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import UsageError
+from ..io.provenance import SOURCE_PATH, SOURCE_SHA256
 from ..optionspec import option
 
 __all__ = [
@@ -601,10 +602,6 @@ def builtin_version(source: str) -> str:
     return f"{len(texts)} licence texts of the installed packages (sha256 {digest}), {python}"
 
 
-#: The keys under which a Batches info (and a `data_read` entry) names a local file source: its resolved
-#: path and a digest of its bytes, so that ./a.txt, /abs/a.txt and a.txt from its folder are one source
-#: and an unrelated a.txt elsewhere is another (the source as typed says neither).
-SOURCE_PATH, SOURCE_SHA256 = "source_path", "source_sha256"
 
 
 def _local_path(source: Any) -> Path | None:

@@ -16,9 +16,11 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from ..data.sources import SOURCE_PATH, SOURCE_SHA256, file_identity
-
 RECORD = "data_read"
+#: The keys under which a Batches info (and a `data_read` entry) names a local file source: its resolved
+#: path and a digest of its bytes (data.sources.file_identity), so that ./a.txt, /abs/a.txt and a.txt from
+#: its folder are one source and an unrelated a.txt elsewhere is another (the source as typed says neither).
+SOURCE_PATH, SOURCE_SHA256 = "source_path", "source_sha256"
 FIT, EVAL = "fit", "eval"
 
 
@@ -134,19 +136,18 @@ def _fitted(record: list[dict], named: list[tuple[str, dict]]) -> bool:
                for source, identity in named)
 
 
-def fitted_on_any(record: list[dict], sources: set[str]) -> bool:
-    """Was the record's model fitted on one of `sources` (a text's source and its mixture's parts,
-    local files named as they are from here)? Then a figure measured on that text is in-domain and
-    flatters."""
-    return _fitted(record, [(s, file_identity(s)) for s in sources if isinstance(s, str)])
+def fitted_on_any(record: list[dict], named: Iterable[tuple[str, dict]]) -> bool:
+    """Was the record's model fitted on one of `named` ((source, its file_identity) pairs: a text's
+    source and its mixture's parts)? Then a figure measured on that text is in-domain and flatters."""
+    return _fitted(record, [(s, identity) for s, identity in named if isinstance(s, str)])
 
 
 def fitted_on(record: list[dict], info: dict | None) -> bool:
-    """`fitted_on_any` for the source of `info` (a Batches info of this run: the identities it
-    recorded, else those of its local files named from here) and its mixture's parts."""
+    """`fitted_on_any` for the source of `info` (a Batches info, with the file identities it recorded)
+    and its mixture's parts."""
     if not info:
         return False
-    return _fitted(record, [(p["source"], _identity(p) or file_identity(p["source"]))
+    return _fitted(record, [(p["source"], _identity(p))
                             for p in [info, *(info.get("mixture") or [])] if isinstance(p.get("source"), str)])
 
 

@@ -219,7 +219,7 @@ def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> Eva
     needed, read_by, other = 0, [], []
     in_domain: dict[str, bool | None] = {}
     for ref, record in records.items():
-        in_domain[ref] = None if record is None else fitted_on_any(record, names)
+        in_domain[ref] = None if record is None else fitted_on_any(record, [(n, file_identity(n)) for n in names])
         for e in record or ():
             if not same_source(e, spec.source, identity) or e.get("role", FIT) != FIT:
                 continue  # (blocks a command only evaluated on need no skipping: eval may report on them too)

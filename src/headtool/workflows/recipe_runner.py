@@ -18,7 +18,7 @@ import yaml
 from ..console import info, warn
 from ..data.batches import blocks_read, evaluation_reads, leading_blocks
 from ..data.selfgen import can_sample
-from ..data.sources import AUTO_SOURCE, DataSpec, is_auto, parse_sources, self_source, source_key
+from ..data.sources import AUTO_SOURCE, DataSpec, file_identity, is_auto, parse_sources, self_source, source_key
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, written_record
@@ -243,8 +243,9 @@ def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
     out = {"loss": after["loss"], "tokens": after["tokens"], "data": req.data.source,
            # as `headtool eval` marks it: text of a source an earlier step (or the recipe's model) was fitted on
            "in_domain": fitted_on(written_record(ctx.reads, ctx.lm.path),
-                                  {"source": req.data.source,
-                                   "mixture": [{"source": p.source} for p in parse_sources(req.data.source)]})}
+                                  {"source": req.data.source, **file_identity(req.data.source),
+                                   "mixture": [{"source": p.source, **file_identity(p.source)}
+                                               for p in parse_sources(req.data.source)]})}
     if req.data.skip_samples:
         out["skip_samples"] = req.data.skip_samples
     if "perplexity" in after:
