@@ -120,3 +120,23 @@ steps:
     assert res.exit_code == 0, res.output
     row = next(r for r in json.loads(res.stdout)["steps"] if r["step"] == "eval")
     assert row.get("skip_samples", 0) >= 5 and row.get("in_domain", True) is True
+
+
+def test_one_command_knows_its_data_file_however_each_option_writes_it(tmp_path, monkeypatch):
+    """--eval-data / --heldout-data naming the --data file another way (./a.txt, its absolute path) are the
+    calibration's source: their blocks start after the calibration's (they started at block 0, inside
+    it); a same-named file in another folder is another source."""
+    from headtool.workflows.data_plan import eval_spec, heldout_spec, part_blocks
+
+    (tmp_path / "a.txt").write_text(_text("miller"))
+    (tmp_path / "b.txt").write_text(_text("baker"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text(_text("sailor"))
+    monkeypatch.chdir(tmp_path)
+    spec = DataSpec(source="a.txt", max_samples=8)
+    for written in ("./a.txt", str(tmp_path / "a.txt")):
+        assert eval_spec(spec, written, 4, used=10)[1] == 10, written
+        assert heldout_spec(spec, written, 4, used=8).skip_samples == 8, written
+        assert part_blocks(DataSpec(source="a.txt*3+b.txt", max_samples=8), written, 8) == 6, written
+    assert eval_spec(spec, "other/a.txt", 4, used=10)[1] == 0
+    assert heldout_spec(spec, "other/a.txt", 4, used=8).skip_samples == 0

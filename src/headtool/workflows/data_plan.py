@@ -13,6 +13,12 @@ from ..errors import UsageError
 from ..io.provenance import FIT, fitted_on_any, same_source
 
 
+def same_source_name(a: Any, b: Any) -> bool:
+    """Do two --data sources name the same text? A local file however its path is written (./a.txt and
+    a.txt from its folder: `source_key`); any other source as written."""
+    return isinstance(a, str) and isinstance(b, str) and source_key(a.strip()) == source_key(b.strip())
+
+
 def with_default_blocks(spec: DataSpec | None, blocks: int | None) -> DataSpec | None:
     """`spec`, capped at `blocks` blocks when it says neither max_samples nor num_tokens
     (`self:N` alone says N)."""
@@ -35,7 +41,7 @@ def part_blocks(spec: DataSpec | None, source: str, positions: int) -> int | Non
     parts = parse_sources(spec.source)
     if len(parts) < 2:
         return None
-    index = next((i for i, p in enumerate(parts) if p.source == source.strip()), None)
+    index = next((i for i, p in enumerate(parts) if same_source_name(p.source, source)), None)
     if index is None:
         return None
     count = mixture_schedule([p.weight for p in parts], positions).count(index)
@@ -88,7 +94,7 @@ def allocation_spec(spec: DataSpec, used: int, sampling: bool, after: DataSpec |
     if not sampling or heldout_data is not None:
         n = max(4, (spec.max_samples or 16) // 4)
         cspec = heldout_spec(spec, heldout_data, n, used)
-        return cspec, n if cspec.source == spec.source else 0
+        return cspec, n if same_source_name(cspec.source, spec.source) else 0
     skip = self_blocks_read(spec, used)
     if after is not None and after.max_samples is not None:
         skip = max(skip, self_blocks_read(after, after.skip_samples + after.max_samples))
@@ -103,7 +109,7 @@ def _as_given(block: DataSpec, spec: DataSpec | None, blocks: int, used: int) ->
     if block.max_samples is None and block.num_tokens is None:
         block = replace(block, max_samples=blocks)
     if spec is not None and block.skip_samples == 0:
-        if block.source == spec.source:
+        if same_source_name(block.source, spec.source):
             block = replace(block, skip_samples=used)
         elif (part := part_blocks(spec, block.source, used)) is not None:
             block = replace(block, skip_samples=part)
@@ -118,7 +124,7 @@ def eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: in
     `held`: the held-out blocks, when they came from another source; an evaluation on that source
     that would start inside them starts after them."""
     espec, skip = _eval_spec(spec, eval_data, eval_samples, used)
-    if held is not None and spec is not None and held.info.get("source") != spec.source:
+    if held is not None and spec is not None and not same_source_name(held.info.get("source"), spec.source):
         after = leading_blocks(held.info).get((source_key(espec.source), espec.seq_len, espec.seed), 0)
         if skip < after and not (isinstance(eval_data, DataSpec) and eval_data.skip_samples):
             espec, skip = replace(espec, skip_samples=after), after
@@ -130,7 +136,7 @@ def _eval_spec(spec: DataSpec | None, eval_data: str | DataSpec, eval_samples: i
     if isinstance(eval_data, DataSpec):
         given = _as_given(eval_data, spec, eval_samples, used)
         return given, given.skip_samples
-    same = spec is not None and eval_data == spec.source
+    same = spec is not None and same_source_name(eval_data, spec.source)
     part = part_blocks(spec, eval_data, used)
     if (same or part is not None) and spec.max_samples is None:
         raise UsageError(f"--eval-data is {'the same source as' if same else 'a source of'} --data: give "
@@ -150,7 +156,7 @@ def heldout_spec(spec: DataSpec, heldout_data: str | DataSpec | None, blocks: in
     calibration blocks."""
     if isinstance(heldout_data, DataSpec):
         return _as_given(heldout_data, spec, blocks, used)
-    if heldout_data is None or heldout_data == spec.source:
+    if heldout_data is None or same_source_name(heldout_data, spec.source):
         return replace(spec, skip_samples=used, max_samples=blocks, num_tokens=None)
     return replace(spec, source=heldout_data, split=None, text_column=None, label_column=None,
                    skip_samples=part_blocks(spec, heldout_data, used) or 0, max_samples=blocks, num_tokens=None)
@@ -182,7 +188,7 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
         if hold_out and n_held > 0:
             hspec = heldout_spec(spec, heldout_data, n_held, out.used)
             out.held = make_batches(hspec, tokenizer, task, model=model)
-            if hspec.source == spec.source:
+            if same_source_name(hspec.source, spec.source):
                 out.used += out.held.info["samples"]
         info(f"calibrating on {out.cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
              + (f" ({out.held.info['samples']} held out from {out.held.info.get('source')})" if out.held else ""))
