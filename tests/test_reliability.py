@@ -376,6 +376,9 @@ CASES: list[tuple[str, Callable[[Env], list[str]], tuple]] = [
     ("latent-shard-size-infinite", lambda e: ["convert-mla", e.m(), "--kv-rank", "4", "--data",
                                               str(e.tmp / "nope.txt"), "--shard-size", "infGB", "-o", str(e.out)],
      ("--shard-size",)),
+    # reads no data: --data was accepted and ignored (by the option's source: its default is not None)
+    ("convert-mean-reads-no-data", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--merge", "mean", "--data",
+                                              "builtin:pydoc", "-o", str(e.out)], ("reads no data",)),
     ("convert-merge-unknown", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--merge", "bogus", "-o",
                                          str(e.out)], ("--merge",)),
     ("convert-grouping-unknown", lambda e: ["convert-gqa", e.m(), "--kv-heads", "1", "--grouping", "bogus", "-o",

@@ -21,7 +21,7 @@ from ..errors import HeadtoolError, UsageError
 from ..measure.speed_spec import SpeedSpec
 from ..version import __version__
 from ..workflows.requests import EvalRequest
-from .options import MODEL_HELP, JsonOpt, LoadOptions, command_options, data_options, model_options
+from .options import MODEL_HELP, JsonOpt, LoadOptions, command_options, data_options, given_options, model_options
 
 _state = {"debug": False}
 
@@ -171,17 +171,6 @@ _SPEED = SpeedSpec()  # eval --speed's defaults, for its --help
 _SPEED_READS = ("source", "seed")
 #: the speed options that do what a refused loss option may have been meant for
 _SPEED_INSTEAD = {"--batch-size": "--batch", "--seq-len": "--context"}
-
-
-def given_options(ctx: typer.Context, names: set[str]) -> list[str]:
-    """The long flags of the parameters among `names` that the command line set (its parameter
-    source, so an option typed with its default value counts as given too)."""
-    flags = []
-    for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name) if param.name in names else None
-        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
-            flags.append(next((o for o in param.opts if o.startswith("--")), param.opts[0]))
-    return flags
 
 
 def refuse_loss_options(ctx: typer.Context) -> None:

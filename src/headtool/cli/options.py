@@ -106,6 +106,24 @@ def data_options(required: bool = False, default: str | None = "builtin:pydoc") 
     return deco
 
 
+def given_options(ctx: typer.Context, names: set[str]) -> list[str]:
+    """The long flags of the parameters among `names` that the command line set (its parameter
+    source, so an option typed with its default value counts as given too)."""
+    flags = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name in names else None
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            flags.append(next((o for o in param.opts if o.startswith("--")), param.opts[0]))
+    return flags
+
+
+def data_option_names() -> set[str]:
+    """The parameter names of the data options (`data_options`)."""
+    from ..data.sources import DataSpec
+
+    return {o.name for o in options_of(DataSpec)}
+
+
 SequentialOpt = Annotated[bool, typer.Option("--sequential", help=SEQUENTIAL_HELP, rich_help_panel="Model")]
 
 

@@ -9,7 +9,9 @@ from ...console import err_console, info, print_json
 from ...data.sources import AUTO_SOURCE
 from ...io.provenance import IN_DOMAIN_NOTE
 from ...workflows.requests import ConvertRequest, calibration_data
-from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
+from ...errors import UsageError
+from ..options import (JsonOpt, LoadOptions, command_options, data_option_names, data_options, given_options,
+                       model_options)
 
 
 def _kv_rows(before: list[int], after: list[int]) -> list[tuple[str, str]]:
@@ -69,7 +71,7 @@ def _tables(summary: dict[str, Any]):
 
 
 @command_options(ConvertRequest)
-def convert_gqa_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(),
+def convert_gqa_cmd(ctx: typer.Context, json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(),
                     data_spec=None) -> None:
     """Merge K/V heads into --kv-heads groups (MHA to GQA, GQA to fewer groups, to MQA).
 
@@ -82,7 +84,11 @@ def convert_gqa_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = 
     """
     from ...workflows.convert_gqa import run_convert_gqa
 
-    run = run_convert_gqa(ConvertRequest(**fields, data=data_spec or calibration_data(), load=load))
+    req = ConvertRequest(**fields, data=data_spec or calibration_data(), load=load)
+    if not req.reads_data and (given := given_options(ctx, data_option_names())):
+        raise UsageError(f"{', '.join(given)}: --merge mean with contiguous grouping reads no data (add a data "
+                         "merge, --grouping similarity or --refit, or leave the data options out)")
+    run = run_convert_gqa(req)
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
         if json_out:
