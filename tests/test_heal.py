@@ -250,6 +250,10 @@ def test_resume_checks(pair, text, tmp_path):
     assert res.exit_code == 2 and "lr: saved 0.003, now 0.001" in res.stderr
     res = runner.invoke(app, base + ["--resume", "--max-steps", "4", "--lr", "3e-3", "--seq-len", "8"])
     assert res.exit_code == 2 and "differs" in res.stderr  # other data
+    # the kept weights' rule may not change either (--keep-last saves no best weights to resume from)
+    res = runner.invoke(app, base + ["--resume", "--max-steps", "4", "--save-every", "1", "--lr", "3e-3",
+                                     "--keep-last"])
+    assert res.exit_code == 2 and "keep_best" in res.stderr, res.stderr
     res = runner.invoke(app, base + ["--max-steps", "4"])
     assert res.exit_code == 2 and "--resume" in res.stderr and "--overwrite" in res.stderr
     res = runner.invoke(app, base + ["--max-steps", "2", "--overwrite"])  # --overwrite starts over

@@ -43,8 +43,10 @@ STATE_FORMAT = "headtool.heal-state/1"
 STATE_FILE = "state.pt"
 
 # Options that may differ between an interrupted run and its resume (they do not change the
-# trajectory of the weights); every other option must be the same.
-RESUME_FREE = ("eval_every", "save_every", "gradient_checkpointing", "keep_best")
+# trajectory of the weights); every other option must be the same. Not keep_best: a run interrupted
+# under --keep-last saved no best weights, so a resume with --keep-best chose only among the steps
+# after the interruption (and wrote weights far from the best the evaluations show).
+RESUME_FREE = ("eval_every", "save_every", "gradient_checkpointing")
 
 
 @dataclass
