@@ -17,10 +17,10 @@ except ImportError:  # typer < 0.26 uses click itself
     from click import exceptions as click_exc
 
 from ..console import err_console, print_json
-from ..errors import HeadtoolError, UsageError
+from ..errors import HeadtoolError
 from ..measure.speed_spec import SpeedSpec
 from ..version import __version__
-from ..workflows.requests import EvalRequest
+from ..workflows.requests import EvalRequest, refuse_unused
 from .options import MODEL_HELP, JsonOpt, LoadOptions, command_options, data_options, given_options, model_options
 
 _state = {"debug": False}
@@ -181,11 +181,9 @@ def refuse_loss_options(ctx: typer.Context) -> None:
 
     loss = {o.name for o in (*options_of(DataSpec), *options_of(EvalRequest))} - {"models", *_SPEED_READS}
     given = given_options(ctx, loss)
-    if not given:
-        return
     instead = [f"{speed} instead of {flag}" for flag, speed in _SPEED_INSTEAD.items() if flag in given]
-    raise UsageError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} without --speed (the loss "
-                     "evaluation)" + (f"; with --speed use {', '.join(instead)}" if instead else ""))
+    refuse_unused(given, "without --speed (the loss evaluation)"
+                  + (f"; with --speed use {', '.join(instead)}" if instead else ""))
 
 
 @app.command("eval")
@@ -244,9 +242,7 @@ def eval_cmd(
         if json_out:
             print_json(doc)
         return
-    given = [f"--{k.replace('_', '-')}" for k, v in speed_opts.items() if v is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with --speed")
+    refuse_unused([f"--{k.replace('_', '-')}" for k, v in speed_opts.items() if v is not None], "with --speed")
 
     from ..workflows.evaluate import run_eval
     from .render import eval_table

@@ -41,12 +41,12 @@ class ConvertRun:
     streamed: dict[str, Any] | None
 
 
-def _methods(merge: str) -> list[str]:
-    methods = [m.strip() for m in merge.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
-    if not methods or bad:
-        raise UsageError(f"--merge {merge!r}: use one or more of {', '.join(METHODS)} separated by commas")
-    return list(dict.fromkeys(methods))
+def _methods(req: ConvertRequest) -> list[str]:
+    """`req.methods` (the --merge list, once each), or a UsageError naming what is allowed."""
+    methods = req.methods
+    if not methods or any(m not in METHODS for m in methods):
+        raise UsageError(f"--merge {req.merge!r}: use one or more of {', '.join(METHODS)} separated by commas")
+    return methods
 
 
 def merge_line(summary: dict[str, Any]) -> str | None:
@@ -89,7 +89,7 @@ def card_table(summary: dict[str, Any]) -> str:
 def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     """Check, load, calibrate, merge with every requested method, keep the best, write it."""
     req.validate()
-    methods = _methods(req.merge)
+    methods = _methods(req)
     if req.grouping not in GROUPINGS:
         raise UsageError(f"--grouping {req.grouping!r}: use {' or '.join(GROUPINGS)}")
     if req.damping < 0:
@@ -202,7 +202,7 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
     held-out calibration blocks when there are any (the --eval-data loss is reported, never used to
     choose: a figure that chose the model would flatter it), else on --eval-data. `headtool
     convert-gqa` and recipe steps."""
-    methods = _methods(req.merge)
+    methods = _methods(req)
     check_target(lm.adapter, lm.geometry, req.kv_heads)
     tm = text_model or lm  # the model `--data self` samples from
     needs_data = req.reads_data  # (the request's, so that its checks refuse what no data reads)

@@ -112,7 +112,7 @@ def given(request, names: tuple[str, ...]) -> list[str]:
     return [declared[n].flag for n in names if getattr(request, n) != declared[n].default]
 
 
-def _refuse_unused(flags: list[str], where: str) -> None:
+def refuse_unused(flags: list[str], where: str) -> None:
     """One usage error naming every option in `flags` (when any): they only apply `where`, and a value
     that nothing reads would let a run look tuned when it was not."""
     from ..errors import UsageError
@@ -124,7 +124,7 @@ def _refuse_unused(flags: list[str], where: str) -> None:
 def _check_eval_samples(request) -> None:
     """--eval-samples counts blocks of --eval-data (prune, convert-gqa, convert-mla): alone it does nothing."""
     if request.eval_data is None:
-        _refuse_unused(given(request, ("eval_samples",)), "with --eval-data (it counts its blocks)")
+        refuse_unused(given(request, ("eval_samples",)), "with --eval-data (it counts its blocks)")
 
 
 def _check_with_anchor(request) -> None:
@@ -307,7 +307,7 @@ class PruneRequest:
         if not self.compensate:
             flags = self.refit_options_given()
             also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""
-            _refuse_unused(flags, "to the refit, which needs --compensate" + also)
+            refuse_unused(flags, "to the refit, which needs --compensate" + also)
         _check_eval_samples(self)
         compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
         if self.allocation_margin and not compares:
@@ -375,9 +375,9 @@ class ConvertRequest:
         if not self.refits:
             why = ("--no-refit turns off" if self.refit is False else
                    f"--merge {self.merge} does not make (--merge fit does, or add --refit)")
-            _refuse_unused(given(self, ("damping", "anchor")), f"to the output-projection refit, which {why}")
+            refuse_unused(given(self, ("damping", "anchor")), f"to the output-projection refit, which {why}")
         if not self.reads_data:
-            _refuse_unused(given(self, ("heldout_samples", "heldout_data")),
+            refuse_unused(given(self, ("heldout_samples", "heldout_data")),
                            "to a conversion that calibrates: --merge mean with contiguous groups and no --refit "
                            "reads no data")
         _check_eval_samples(self)
@@ -455,7 +455,7 @@ class LatentRequest:
 
         _check_with_anchor(self)
         if not self.refit:
-            _refuse_unused(given(self, ("anchor", "heldout_samples", "heldout_data")),
+            refuse_unused(given(self, ("anchor", "heldout_samples", "heldout_data")),
                            "to the output-projection refit, which --no-refit turns off")
         _check_eval_samples(self)
         if self.rope_dim is not None and self.rope_dim % 2:
