@@ -117,6 +117,14 @@ def given_options(ctx: typer.Context, names: set[str]) -> list[str]:
     return flags
 
 
+def command_inputs(model: str, data) -> list[str]:
+    """What a command reads that an output of it must never land on: the model, and each source of its
+    --data (`data`: a DataSpec or None); io.files.check_output_path keeps those that are local paths."""
+    from ..data.sources import parse_sources
+
+    return [model, *(part.source for part in parse_sources(data.source))] if data is not None else [model]
+
+
 def data_option_names() -> set[str]:
     """The parameter names of the data options (`data_options`)."""
     from ..data.sources import DataSpec

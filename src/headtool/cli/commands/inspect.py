@@ -10,7 +10,7 @@ import typer
 
 from ...console import err_console, info, print_json
 from ...errors import UsageError
-from ..options import MODEL_HELP, JsonOpt, LoadOptions, data_options, model_options
+from ..options import MODEL_HELP, JsonOpt, LoadOptions, command_inputs, data_options, model_options
 
 PATTERN_TOKENS = 32
 
@@ -118,7 +118,7 @@ def inspect_cmd(
     Eager attention on real batches (default: 16 blocks of builtin:pydoc). Numbers only.
     Example: headtool inspect smollm2-135m --json --plot inspect_png --heads "3:1,5;7:0"
     """
-    from ...data.sources import DataSpec, parse_sources
+    from ...data.sources import DataSpec
     from ...io.files import check_output_path
     from ...workflows.inspect import InspectRequest, run_inspect
 
@@ -132,8 +132,7 @@ def inspect_cmd(
         from ..plotting import _pyplot
 
         _pyplot()  # fail before the work when matplotlib is missing
-        check_output_path(plot, "--plot", [model, *(part.source for part in parse_sources(req.data.source))],
-                          folder=True)
+        check_output_path(plot, "--plot", command_inputs(model, req.data), folder=True)
     run = run_inspect(req)
     doc, lm, chosen = run.document, run.loaded, run.pattern_heads
     _render_tables(doc)

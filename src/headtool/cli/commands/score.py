@@ -5,9 +5,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ...data.sources import AUTO_SOURCE, parse_sources
+from ...data.sources import AUTO_SOURCE
 from ...workflows.requests import ScoreRequest, calibration_data
-from ..options import LoadOptions, command_options, data_options, model_options
+from ..options import LoadOptions, command_inputs, command_options, data_options, model_options
 
 
 @model_options
@@ -35,7 +35,7 @@ def score_cmd(
     req = ScoreRequest(**fields, data=data_spec or calibration_data(), load=load)
     req.validate()
     model, output = req.model, req.output
-    inputs = [model, *(part.source for part in parse_sources(req.data.source))] if req.data else [model]
+    inputs = command_inputs(model, req.data)
     if output and output != "-":
         check_output_path(output, "-o", inputs)
     if plot:
