@@ -24,7 +24,8 @@ def _resolved(path: str | os.PathLike) -> Path:
     return Path(os.path.expanduser(str(path))).resolve()
 
 
-def _inside(child: Path, parent: Path) -> bool:
+def inside(child: Path, parent: Path) -> bool:
+    """Is `child` the folder `parent` or a path under it (both resolved)?"""
     return child == parent or parent in child.parents
 
 
@@ -39,7 +40,7 @@ def check_output_path(path: str | os.PathLike, opt: str, inputs: Iterable[str | 
         if not given or not Path(os.path.expanduser(str(given))).exists():
             continue
         src = _resolved(given)
-        if src.is_dir() and _inside(real, src):
+        if src.is_dir() and inside(real, src):
             raise UsageError(f"{opt} {path}: lies inside the input model folder {src}; choose a place outside "
                              "it (the input is never modified)")
         if not src.is_dir() and real == src:

@@ -24,7 +24,7 @@ from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
-from .files import open_up, probe_writable
+from .files import inside, open_up, probe_writable
 from .provenance import RECORD, card_lines
 from .sizes import parse_size
 
@@ -48,15 +48,11 @@ def _local_dir(path: str | os.PathLike | None) -> Path | None:
     return p.resolve() if p.is_dir() else None
 
 
-def _inside(child: Path, parent: Path) -> bool:
-    return child == parent or parent in child.parents
-
-
 def check_output_target(out: str | os.PathLike, source_path: str | os.PathLike | None, overwrite: bool) -> Path:
     """The resolved output folder, or a UsageError naming what is wrong (call before any work)."""
     target = Path(os.path.expanduser(str(out))).resolve()
     src = _local_dir(source_path)
-    if src is not None and _inside(target, src):
+    if src is not None and inside(target, src):
         raise UsageError(f"-o {out}: the output lies inside the input model folder {src}; "
                          "choose a folder outside it (the input is never modified)")
     if target.exists() or target.is_symlink():
@@ -64,7 +60,7 @@ def check_output_target(out: str | os.PathLike, source_path: str | os.PathLike |
             raise UsageError(f"-o {out}: exists and is not a folder")
         if not overwrite:
             raise UsageError(f"-o {out}: the folder already exists; pass --overwrite to replace it")
-        if src is not None and _inside(src, target):
+        if src is not None and inside(src, target):
             raise UsageError(f"-o {out}: replacing it would delete the input model folder {src}")
         if any(target.iterdir()) and not ((target / "config.json").exists() or (target / "headtool.json").exists()):
             raise UsageError(f"-o {out}: --overwrite replaces model folders only, and this non-empty folder "
