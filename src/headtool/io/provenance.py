@@ -83,17 +83,23 @@ def _entries(seen: dict[tuple, dict]) -> list[dict]:
     return out
 
 
+def folder_meta(path: str | Path | None) -> dict | None:
+    """A folder's headtool.json, or None where there is none or it is not a JSON object (not a headtool
+    output; the file is the user's to edit)."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads((Path(path) / "headtool.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def folder_record(path: str | Path | None) -> list[dict] | None:
     """The record in a folder's headtool.json; None when there is none (not a headtool output, or
     one written before headtool recorded what it read)."""
-    if path is None:
-        return None
-    meta = Path(path) / "headtool.json"
-    try:
-        doc = json.loads(meta.read_text())
-    except (OSError, ValueError):
-        return None
-    record = doc.get(RECORD) if isinstance(doc, dict) else None
+    doc = folder_meta(path)
+    record = doc.get(RECORD) if doc is not None else None
     return record if isinstance(record, list) else None
 
 

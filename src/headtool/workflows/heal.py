@@ -15,7 +15,7 @@ from ..data.batches import blocks_read, make_batches, resolve_auto
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, written_record
+from ..io.provenance import RECORD, folder_meta, written_record
 from ..measure.evaluation import tokenizers_agree
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
@@ -181,11 +181,8 @@ def recorded_sources(folder: str | Path, depth: int = 0) -> set[str]:
     """Fingerprints of the models a headtool output was made from, as its headtool.json records
     them: the source of each step back through the local folders it names, and the teachers
     of earlier heals. Empty when nothing is recorded (not a headtool output)."""
-    try:
-        doc = json.loads((Path(folder) / "headtool.json").read_text())
-    except (OSError, ValueError):
-        return set()
-    return _sources_of(doc, depth) if isinstance(doc, dict) else set()
+    doc = folder_meta(folder)
+    return _sources_of(doc, depth) if doc is not None else set()
 
 
 def _sources_of(doc: dict[str, Any], depth: int) -> set[str]:

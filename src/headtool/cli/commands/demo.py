@@ -66,6 +66,7 @@ def check_demo_folder(out, overwrite: bool) -> None:
     import json
 
     from ...errors import UsageError
+    from ...io.provenance import folder_meta
 
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out}: exists and is not a folder")
@@ -76,10 +77,8 @@ def check_demo_folder(out, overwrite: bool) -> None:
     foreign = sorted(p.name for p in entries if p.name not in DEMO_OUTPUTS)
 
     def demo_model(folder) -> bool:
-        try:
-            return json.loads((folder / "headtool.json").read_text())["recipe"]["name"] == "demo"
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
+        recipe = (folder_meta(folder) or {}).get("recipe")
+        return isinstance(recipe, dict) and recipe.get("name") == "demo"
 
     model, scores = out / "model", out / "scores.json"
     if model.exists() and not demo_model(model):
