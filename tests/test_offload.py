@@ -17,6 +17,7 @@ from tiny_models import save_tiny
 pytest.importorskip("accelerate")
 runner = CliRunner()
 CAP = ["--device-map", "auto", "--max-memory", "cpu=200KB"]  # a few layers on CPU, the rest on disk
+ALL_ON_DISK = ["--device-map", "auto", "--max-memory", "cpu=30KB"]  # nothing fits: the embedding is on disk too
 DATA = ["--data", "builtin:pydoc", "--seq-len", "16", "--max-samples", "4", "--batch-size", "2"]
 
 
@@ -54,6 +55,47 @@ def test_eval_on_offloaded_weights(llama):
         assert r.exit_code == 0, r.stderr
         losses.append(json.loads(r.stdout)["results"][0]["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def _offloaded_and_plain(llama, tmp_path, monkeypatch, argv, out_flag=True):
+    """Run argv on the plain model and with every weight on disk; (plain, offloaded) JSON results.
+    Each run gets its own cache folder, so self-generated text is sampled by the model it reads."""
+    docs = []
+    for name, extra in (("plain", []), ("disk", ALL_ON_DISK)):
+        monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / f"cache-{name}"))
+        out = tmp_path / f"{name}.json"
+        r = runner.invoke(app, [argv[0], str(llama), *argv[1:], "--dtype", "float32", *extra,
+                                *(["-o", str(out)] if out_flag else ["--json"])])
+        assert r.exit_code == 0, r.output
+        docs.append(json.loads(out.read_text() if out_flag else r.stdout))
+    return docs
+
+
+def test_everything_on_disk_embedding_included(llama):
+    capped = load_model(str(llama), dtype="float32", device="cpu", device_map="auto", max_memory="cpu=30KB")
+    assert capped.model.get_input_embeddings().weight.device.type == "meta"
+    assert capped.device == torch.device("cpu")  # where the forward takes its inputs, not 'meta'
+
+
+@pytest.mark.parametrize("method", ["gradient", "ablation", "magnitude"])
+def test_scores_with_the_embedding_on_disk(llama, tmp_path, monkeypatch, method):
+    """It failed 'Cannot copy out of meta tensor': inputs went to the first parameter's device."""
+    plain, disk = _offloaded_and_plain(llama, tmp_path, monkeypatch, ["score", *DATA, "--method", method])
+    a, b = (torch.tensor(d["scores"], dtype=torch.float64) for d in (plain, disk))
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("data", [DATA, ["--data", "self:4", "--seq-len", "16", "--batch-size", "2"]])
+def test_eval_with_the_embedding_on_disk(llama, tmp_path, monkeypatch, data):
+    plain, disk = _offloaded_and_plain(llama, tmp_path, monkeypatch, ["eval", *data], out_flag=False)
+    assert disk["results"][0]["loss"] == pytest.approx(plain["results"][0]["loss"], rel=1e-6)
+
+
+def test_inspect_with_the_embedding_on_disk(llama, tmp_path, monkeypatch):
+    plain, disk = _offloaded_and_plain(llama, tmp_path, monkeypatch, ["inspect", *DATA], out_flag=False)
+    for key in ("statistics", "twins", "similarity", "kv_groups", "top_pairs"):
+        a, b = (json.dumps(d[key], sort_keys=True) for d in (plain, disk))
+        assert a == b, key
 
 
 @pytest.mark.parametrize("command, hint", [

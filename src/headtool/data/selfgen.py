@@ -40,6 +40,7 @@ import torch
 
 from ..console import info, progress
 from ..errors import UsageError
+from ..model.placement import input_device
 from ..model.refs import cache_dir
 from ..version import __version__
 
@@ -154,14 +155,6 @@ def start_token_id(tokenizer: Any, module: Any = None) -> int:
     )
 
 
-def _input_device(module: Any) -> torch.device:
-    try:
-        dev = module.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        dev = next(module.parameters()).device
-    return torch.device("cpu") if dev.type == "meta" else dev
-
-
 # --------------------------------------------------------------------------- sampling
 
 
@@ -237,7 +230,7 @@ def _cache_kwarg(module: Any) -> str:
 def _sample(module: Any, start: int, uniforms: torch.Tensor, temperature: float, top_p: float, vocab: int,
             *, use_cache: bool = True, on_step: Any = None) -> torch.Tensor:
     """Token ids [B, steps] sampled after the start token, one row per row of `uniforms`."""
-    device = _input_device(module)
+    device = input_device(module)
     rows, steps = uniforms.shape
     out = torch.empty((rows, steps), dtype=torch.long)
     ids = torch.full((rows, 1), start, dtype=torch.long, device=device)
@@ -318,7 +311,7 @@ def _settings(fingerprint: str, precision: str, seq_len: int, seed: int, tempera
 def _precision(module: Any) -> str:
     """'dtype/device kind' of the module that samples (its numerics decide the text)."""
     dtype = str(next(module.parameters()).dtype).replace("torch.", "")
-    return f"{dtype}/{_input_device(module).type}"
+    return f"{dtype}/{input_device(module).type}"
 
 
 def self_cache_key(fingerprint: str, precision: str, seq_len: int, seed: int, temperature: float, top_p: float,

@@ -10,6 +10,7 @@ import torch
 from ..console import progress
 from ..data.batches import to_device
 from ..errors import HeadtoolError
+from ..model.placement import input_device
 from .objectives import model_output, token_losses
 
 
@@ -22,7 +23,7 @@ def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "ev
     `block_weights`, in batch order): what a paired comparison of two models on the same blocks
     needs (`paired_difference`).
     """
-    device = next(model.parameters()).device
+    device = input_device(model)
     total, weight, correct, count = 0.0, 0.0, 0, 0
     block_sums: list[float] = []
     block_weights: list[float] = []
@@ -116,7 +117,7 @@ def gap_text(candidate: dict) -> str:
 @torch.no_grad()
 def hidden_states(model, batches: Sequence[dict]) -> list[torch.Tensor]:
     """Final hidden states of a headless model on every batch (the reference for comparisons)."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     return [model_output(model, to_device(b, device)).float().cpu() for b in batches]
 
 
@@ -129,7 +130,7 @@ def hidden_agreement(model, batches: Sequence[dict], reference: Sequence[torch.T
     cosine: mean per-token cosine similarity; embedding_cosine: of mean-pooled sentence
     embeddings, the quantity sentence-embedding users care about.
     """
-    device = next(model.parameters()).device
+    device = input_device(model)
     se, norm, cos, ecos, n_tok, n_ex = 0.0, 0.0, 0.0, 0.0, 0, 0
     t0 = time.perf_counter()
     with progress() as bar:

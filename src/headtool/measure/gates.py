@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..arch import Adapter, LayerHeads
+from ..model.placement import input_device
 
 
 class HeadGates:
@@ -91,7 +92,7 @@ def head_gates(
     that collect gradients; parameters are untouched.
     """
     geometry = list(geometry or adapter.geometry(model.config))
-    device = next(model.parameters()).device
+    device = input_device(model)
     values = []
     for i, g in enumerate(geometry):
         shape = (g.num_heads,) if batch_size is None else (batch_size, g.num_heads)

@@ -29,6 +29,7 @@ from ..console import progress
 from ..data.batches import to_device
 from ..errors import UsageError
 from ..model.latent import LatentAttention, latent_spec
+from ..model.placement import input_device, readable_tensor
 from .gates import capture_o_proj_inputs
 
 FORMAT = "headtool.inspect/1"
@@ -131,7 +132,7 @@ def head_output_maps(model, adapter: Adapter, layer: int, geo: LayerHeads) -> to
     """[H, head_dim, hidden]: head h's output contribution is x_h @ maps[h] (Linear or Conv1D
     alike, and latent attention's o_proj, a Linear in every family)."""
     module = adapter.o_proj_module(model, layer)
-    w = module.weight.detach().float()
+    w = readable_tensor(module).detach().float()
     w = w.T if adapter.o_axis(module) == 1 else w  # [heads x head_dim, hidden]
     return w.reshape(geo.num_heads, geo.head_dim, -1)
 
@@ -345,7 +346,7 @@ def inspect_heads(model, adapter: Adapter, batches: Sequence[dict], *, top: int 
     accs = [_LayerAcc.new(g) for g in geometry]
     ht = o_weight_tensor(adapter)
     maps = [head_output_maps(model, adapter, i, g) for i, g in enumerate(geometry)]
-    device = next(model.parameters()).device
+    device = input_device(model)
     causal = True
     t0 = time.perf_counter()
     with eager_attention(model), progress() as bar:
@@ -373,7 +374,7 @@ def inspect_heads(model, adapter: Adapter, batches: Sequence[dict], *, top: int 
 @torch.no_grad()
 def attention_pattern(model, input_ids: torch.Tensor, heads: Sequence[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
     """[T, T] attention probabilities of the chosen (layer, head)s on one example [1, T]."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids = input_ids.to(device)
     with eager_attention(model):
         atts = attention_probs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})

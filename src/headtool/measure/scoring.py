@@ -38,6 +38,7 @@ from ..console import progress
 from ..data.batches import to_device
 from ..distributed import combine_means, rank_and_world, shard
 from ..errors import HeadtoolError, UsageError
+from ..model.placement import input_device, readable_weights
 from .gates import head_gates
 from .layerwise import patched_forwards
 from .objectives import (
@@ -143,7 +144,7 @@ def magnitude_scores(model: nn.Module, adapter: Adapter, geometry: Sequence[Laye
     if latent_spec(model.config):  # it failed naming a missing k_proj weight
         raise UsageError("--method magnitude reads each head's K/V weights, which latent attention (a convert-mla "
                          "output) keeps in one shared latent: score it with a data method (gradient, ablation, ...)")
-    sd = model.state_dict()
+    sd = readable_weights(model)  # offloaded weights too, read one at a time
     out = []
     for i, geo in enumerate(geometry):
         total = torch.zeros(geo.num_heads, dtype=torch.float64)
@@ -311,7 +312,7 @@ def _gradient_round(model, adapter, geometry, batches, objective, estimator, ali
                     probe=None):
     """One forward + backward per batch for all heads; accumulates the chosen estimator. With `probe` (an
     attached SensitivityProbe), the same backward also gives it the gradients at its leaves."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     gdtype = _gate_dtype(model)
     masks = _mask_tensors(alive, gdtype, device)
     acc = [torch.zeros(g.num_heads, dtype=torch.float64) for g in geometry]
@@ -388,7 +389,7 @@ def _ablation_passes(alive, k: int) -> int:
 
 def _ablation_round(model, adapter, geometry, batches, objective, alive, chunk, bar, task, label):
     """Exact loss increases; per batch one full forward, then replays from each layer on."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     gdtype = _gate_dtype(model)
     masks = _mask_tensors(alive, gdtype, device)
     layers = [adapter.layer_module(model, i) for i in range(len(geometry))]

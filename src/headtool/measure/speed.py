@@ -26,6 +26,7 @@ import torch
 from ..data.batches import make_batches
 from ..data.sources import DataSpec
 from ..errors import UsageError
+from ..model.placement import input_device
 from .speed_spec import SpeedSpec
 
 FORMAT = "headtool.speed/1"
@@ -153,7 +154,7 @@ class _Runner:
 
     def __init__(self, model, input_ids: torch.Tensor, decode: bool):
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.ids = input_ids.to(self.device)
         self.decode = decode
         params = _inspect.signature(model.forward).parameters

@@ -19,6 +19,7 @@ from .fingerprint import folder_fingerprint, model_fingerprint
 from .latent import MLA_KEY, load_latent_folder, refuse_latent_surgery
 from .placement import (
     has_offloaded_weights,
+    input_device,
     offload_folder,
     parse_max_memory,
     resolve_device,
@@ -63,7 +64,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return input_device(self.model)
 
 
 def resolve_dtype(dtype: str) -> torch.dtype | str:

@@ -54,6 +54,69 @@ def has_offloaded_weights(model) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
+def input_device(model) -> "torch.device":
+    """The device a forward takes its inputs on. For a model in one place, its parameters'; for one
+    --device-map dispatched, the execution device accelerate gives the input embedding, because
+    weights offloaded to disk sit on 'meta', which holds no data to compute with."""
+    import torch
+
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    hook = getattr(embedding, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for p in (embedding or model).parameters():
+        if p.device.type != "meta":
+            return p.device
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def readable_weights(model) -> dict[str, "torch.Tensor"]:
+    """The model's state dict with every tensor readable: those --device-map offloaded (on 'meta')
+    are read, one at a time when asked for, from the CPU or disk copy accelerate streams them from."""
+    state = model.state_dict()
+    if not has_offloaded_weights(model):
+        return state
+    return _OffloadedStateDict(model, state)
+
+
+def readable_tensor(module, name: str = "weight") -> "torch.Tensor":
+    """module.<name>, read from accelerate's CPU or disk copy when --device-map offloaded it."""
+    t = getattr(module, name)
+    if t is None or t.device.type != "meta":
+        return t
+    weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+    if weights is None or name not in weights:
+        raise UsageError(f"{type(module).__name__}.{name}: offloaded, and accelerate keeps no copy of it to read")
+    return weights[name]
+
+
+class _OffloadedStateDict(dict):
+    """A state dict whose offloaded entries are fetched on access through their module's hook."""
+
+    def __init__(self, model, state: dict) -> None:
+        super().__init__(state)
+        self._model = model
+
+    def __getitem__(self, key: str):
+        t = super().__getitem__(key)
+        if t.device.type != "meta":
+            return t
+        owner, _, name = key.rpartition(".")
+        return readable_tensor(self._model.get_submodule(owner), name)
+
+    def items(self):  # noqa: D102 - dict's, reading each value through __getitem__
+        return ((k, self[k]) for k in self.keys())
+
+    def values(self):  # noqa: D102
+        return (self[k] for k in self.keys())
+
+
 def require_resident_weights(model, what: str, instead: str) -> None:
     """Surgery and training rewrite weights in place: offloaded ones are not there to rewrite, and
     quantized ones are packed with scales that slicing would leave behind."""

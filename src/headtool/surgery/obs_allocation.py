@@ -39,6 +39,7 @@ from ..data.batches import to_device
 from ..errors import UsageError
 from ..measure.objectives import objective_losses, forward_output
 from ..measure.scoring import scoring_mode
+from ..model.placement import input_device
 from .compensation import LayerStats, o_proj_matrix, removal_cost
 from .selection import Selection, Target, choose_removals, layer_steps, selection_from_steps
 
@@ -130,7 +131,7 @@ def layer_sensitivity(model: nn.Module, adapter: Adapter, batches: Sequence[dict
     every layer's output-projection input Gram and the squared gradient of the loss at its attention
     output."""
     t0 = time.perf_counter()
-    device = next(model.parameters()).device
+    device = input_device(model)
     probe = SensitivityProbe(model, adapter, layers)
     with scoring_mode(model), torch.enable_grad(), progress() as bar, probe.attached():
         task = bar.add_task("layer sensitivity", total=len(batches), rate="")
