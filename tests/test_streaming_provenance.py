@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from headtool.cli.app import app
@@ -99,3 +100,74 @@ def test_eval_of_a_streamed_copy_skips_and_marks_the_fitted_blocks_as_in_memory(
     assert mine["in_domain"] is theirs["in_domain"] is True
     assert mine["fitted_on"] == theirs["fitted_on"] == ["builtin:pydoc"]
     assert mine["loss"] == theirs["loss"]
+
+
+COMMANDS = [["prune", "--heads", "0:0,1"], ["convert-gqa", "--kv-heads", "1", "--merge", "mean"]]
+
+
+def _summary_section(folder: Path) -> str:
+    card = (folder / "README.md").read_text()
+    assert "## Summary" in card, card
+    return card.split("## Summary", 1)[1]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=["prune", "convert-gqa"])
+def test_a_streamed_copy_has_the_in_memory_card_table(fitted, tmp_path, command):
+    """The streamed model card lacked the summary table the in-memory card has."""
+    _both([command[0], fitted, *command[1:]], tmp_path)
+    assert _summary_section(tmp_path / "streamed") == _summary_section(tmp_path / "memory")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("command", COMMANDS, ids=["prune", "convert-gqa"])
+def test_streaming_casts_to_dtype_as_loading_does(fitted, tmp_path, command, dtype):
+    """--dtype was ignored with --streaming (a float32 copy came out); now the streamed tensors, config
+    and record equal the in-memory copy loaded in that dtype."""
+    from tiny_models import checkpoint_tensors
+
+    memory, streamed = _both([command[0], fitted, *command[1:], "--dtype", dtype], tmp_path)
+    if dtype == "float16":  # the in-memory source fingerprint is of the float16 copy (double rounding to bf16)
+        memory["source"].pop("fingerprint"), streamed["source"].pop("fingerprint")
+    _assert_same_record(memory, streamed)
+    a, b = checkpoint_tensors(tmp_path / "streamed"), checkpoint_tensors(tmp_path / "memory")
+    assert a.keys() == b.keys()
+    assert {str(t.dtype) for t in a.values() if t.is_floating_point()} == {f"torch.{dtype}"}
+    assert all(a[k].dtype == b[k].dtype and (a[k] == b[k]).all() for k in a), \
+        [k for k in a if a[k].dtype != b[k].dtype or not (a[k] == b[k]).all()]
+    ca, cb = (json.loads((tmp_path / m / "config.json").read_text()) for m in ("streamed", "memory"))
+    assert ca.get("dtype") == cb.get("dtype") == dtype
+    assert {k: v for k, v in ca.items() if k != "transformers_version"} == \
+        {k: v for k, v in cb.items() if k != "transformers_version"}
+
+
+@pytest.mark.parametrize("option", [["--device-map", "auto"], ["--device", "cpu"], ["--sequential"],
+                                    ["--device-map", "auto", "--max-memory", "cpu=1GB"]])
+@pytest.mark.parametrize("command", COMMANDS, ids=["prune", "convert-gqa"])
+def test_streaming_refuses_options_that_place_a_model(fitted, tmp_path, command, option):
+    """They were accepted and did nothing: --streaming builds no model."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, [command[0], str(fitted), *command[1:], *option, "--streaming", "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    assert option[0] in res.stderr and "--streaming" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("config_dtype", [True, False], ids=["config-names-it", "weights-only"])
+def test_a_bfloat16_checkpoint_streams_with_the_figures_loading_gives(tmp_path, config_dtype):
+    """--dtype auto: the weightless model of a streamed bf16 checkpoint was float32, so its record said
+    twice the KV cache bytes and parameters' dtype the in-memory copy (loaded in bf16) says."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    if not config_dtype:
+        model.config.dtype = None
+    src = tmp_path / "bf16"
+    model.save_pretrained(src)
+    if not config_dtype:  # transformers writes the dtype anyway: take it out, loading then reads the weights
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+        (src / "config.json").write_text(json.dumps(cfg))
+    memory, streamed = _both(["prune", src, "--heads", "0:0,1"], tmp_path)
+    assert set(streamed) == set(memory)
+    assert _result({**streamed, "data_read": None}) == _result({**memory, "data_read": None})
+    assert streamed["summary"]["totals"]["kv_cache_bytes_per_token"] == {"before": 192, "after": 160}  # 2 bytes each

@@ -75,6 +75,12 @@ def resolve_dtype(dtype: str) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+def cast_dtype(dtype: str) -> torch.dtype | None:
+    """What --dtype casts a checkpoint's floating tensors to when no model is built (--streaming):
+    None for auto, the checkpoint's own."""
+    return None if dtype == "auto" else resolve_dtype(dtype)  # type: ignore[return-value]
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

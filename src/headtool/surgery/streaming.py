@@ -30,6 +30,9 @@ from .merging import check_target, contiguous_plans, mean_layer_tensors
 LayerFn = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 #: headtool.json, or what builds it from the weightless model resized to the new geometry (its figures after)
 Meta = dict | Callable[[Any], dict]
+#: the model card's summary table, or what builds it from that model and its config kind
+Card = str | Callable[[Any, str], str]
+_NAMES = {v: k for k, v in DTYPES.items()}  # torch dtype -> safetensors name
 
 
 @dataclass
@@ -44,6 +47,8 @@ class CheckpointRef:
     lazy: LazyCheckpoint
     task: str
     tokenizer: Any = None
+    #: --dtype: floating tensors are written in it; None (auto) copies them as stored
+    cast_to: torch.dtype | None = None
     _fingerprint: str | None = field(default=None, repr=False)
     _prefixes: list[str] | None = field(default=None, repr=False)
 
@@ -67,13 +72,25 @@ class CheckpointRef:
         return self._fingerprint
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype of the copy's figures: --dtype, or for auto what loading picks (the config's, else the
+        first floating tensor's), so that its KV bytes and parameters' dtype read as the loaded copy's."""
+        return self.cast_to or _auto_dtype(self.config, self.lazy)
+
+    @property
     def model(self):
-        """A weightless (meta-device) model: for figures and the output config, never for compute."""
-        return meta_model(self.config, self.task)
+        """A weightless (meta-device) model in the copy's dtype: for figures and the output config,
+        never for compute."""
+        model, dtype = meta_model(self.config, self.task), self.dtype
+        if dtype is not None:
+            model.to(dtype)
+            model.config.dtype = dtype  # what a model loaded in that dtype records
+        return model
 
 
-def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
-    """A local safetensors folder (or packaged model) opened for streaming; UsageError otherwise."""
+def open_checkpoint(ref: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None) -> CheckpointRef:
+    """A local safetensors folder (or packaged model) opened for streaming; UsageError otherwise.
+    dtype: what --dtype names, None for auto (tensors copied as stored)."""
     path, source = resolve_ref(ref)
     if source == "hub":
         raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
@@ -81,7 +98,18 @@ def open_checkpoint(ref: str, trust_remote_code: bool = False) -> CheckpointRef:
     adapter = adapter_for(config)
     refuse_quantized(config, ref, "streaming surgery")
     lazy = LazyCheckpoint(path)
-    return CheckpointRef(ref, path, config, adapter, lazy, pick_task(config))
+    return CheckpointRef(ref, path, config, adapter, lazy, pick_task(config), cast_to=dtype)
+
+
+def _auto_dtype(config, lazy: LazyCheckpoint) -> torch.dtype | None:
+    """The dtype `--dtype auto` loads a checkpoint in (transformers' rule): the config's, else that of
+    the first floating tensor; None when there is none."""
+    named = getattr(config, "dtype", None)
+    if isinstance(named, str) and isinstance(getattr(torch, named, None), torch.dtype):
+        return getattr(torch, named)
+    if isinstance(named, torch.dtype):
+        return named
+    return next((DTYPES[e.dtype] for e in lazy.index.values() if DTYPES[e.dtype].is_floating_point), None)
 
 
 def meta_model(config, task: str):
@@ -126,14 +154,14 @@ class _LayerTensors(Mapping):
     """A layer's attention tensors, each read from disk only when the layer function asks for it
     (a tensor it never touches is copied file to file)."""
 
-    def __init__(self, lazy: LazyCheckpoint, keys: list[str]):
-        self._lazy, self._keys, self._read = lazy, keys, {}
+    def __init__(self, lazy: LazyCheckpoint, keys: list[str], dtype: torch.dtype | None = None):
+        self._lazy, self._keys, self._read, self._dtype = lazy, keys, {}, dtype
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._read:
             if key not in self._keys:
                 raise KeyError(key)
-            self._read[key] = self._lazy[key]
+            self._read[key] = cast_floating(self._lazy[key], self._dtype)
         return self._read[key]
 
     def __contains__(self, key) -> bool:  # Mapping's default would read the tensor
@@ -146,18 +174,31 @@ class _LayerTensors(Mapping):
         return len(self._keys)
 
 
+def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` in `dtype` when it is floating point (as loading in a dtype casts parameters); else as is."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _recast(stored: str, dtype: torch.dtype | None) -> bool:
+    """Whether a tensor stored as `stored` (a safetensors dtype name) is written in another dtype."""
+    return dtype is not None and DTYPES[stored].is_floating_point and DTYPES[stored] != dtype
+
+
 def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerHeads], layer_fn: LayerFn, *,
-                   meta: Meta, card_table: str = "", overwrite: bool = False,
+                   meta: Meta, card_table: Card = "", overwrite: bool = False,
                    shard_size: str | int = "5GB") -> dict[str, Any]:
     """Write the checkpoint with every layer's attention tensors replaced by `layer_fn(i, tensors)`.
-    `meta` may be a function of the resized weightless model: the in-memory path's builders take the
-    model after surgery, and the streamed record must come from the same builders.
+    `meta` and `card_table` may be functions of the resized weightless model: the in-memory path's
+    builders take the model after surgery, and the streamed record must come from the same builders.
+    With `ck.cast_to` (--dtype), floating tensors are cast to it before the layer function sees them, as
+    loading casts them; otherwise (auto) every tensor keeps its stored dtype.
 
     Peak memory: the tensors of one layer's attention plus the one being written.
     """
     target = check_output_target(out, ck.path, overwrite)
     shard_bytes = parse_size(shard_size)
-    entries = plan_entries(ck, new_geometry)
+    dtype = ck.cast_to
+    entries = [(n, _NAMES[dtype] if _recast(d, dtype) else d, shape) for n, d, shape in plan_entries(ck, new_geometry)]
     owner = layer_of(ck)
     done: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -167,14 +208,16 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
             done.clear()  # one layer at a time
             prefix = ck.layer_prefixes[i]
             done[i] = layer_fn(i, _LayerTensors(ck.lazy, [prefix + ht.name for ht in ck.adapter.tensors
-                                                         if prefix + ht.name in ck.lazy]))
-        if i is None or name not in done[i]:
-            return ck.lazy.raw(name)  # unchanged: bytes copied file to file
-        return done[i][name]
+                                                         if prefix + ht.name in ck.lazy], dtype))
+        if i is not None and name in done[i]:
+            return done[i][name]
+        if _recast(ck.lazy.index[name].dtype, dtype):
+            return cast_floating(ck.lazy[name], dtype)
+        return ck.lazy.raw(name)  # unchanged: bytes copied file to file
 
     # the output config from a weightless model resized to the new geometry
-    model = meta_model(ck.config, ck.task)
-    planned = {name: (DTYPES[dtype], shape) for name, dtype, shape in entries}
+    model = ck.model
+    planned = {name: (DTYPES[d], shape) for name, d, shape in entries}
     for i, (geo, old) in enumerate(zip(new_geometry, ck.geometry)):
         if geo != old:
             prefix, file_prefix = ck.adapter.layer_prefix(model, i), ck.layer_prefixes[i]
@@ -186,12 +229,13 @@ def stream_surgery(ck: CheckpointRef, out: str | Path, new_geometry: list[LayerH
         write_checkpoint_streaming(tmp, entries, produce, shard_bytes)
         model.config.save_pretrained(tmp)
         doc = meta(model) if callable(meta) else meta
+        card = card_table(model, kind) if callable(card_table) else card_table
         return finish_folder(tmp, target, model=model, source=ck, tokenizer=None, meta=doc,
-                             card_table=card_table, kind=kind)
+                             card_table=card, kind=kind)
 
 
 def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]], out: str | Path, *,
-                 meta: Meta, card_table: str = "", overwrite: bool = False, shard_size: str | int = "5GB",
+                 meta: Meta, card_table: Card = "", overwrite: bool = False, shard_size: str | int = "5GB",
                  uneven: bool = False) -> dict:
     """Remove every query head not in `kept[i]` (and KV heads left without queries), streaming;
     `uneven`: KV groups may end up different in size (--unit head)."""
@@ -208,7 +252,7 @@ def stream_prune(ck: CheckpointRef, kept: list[list[int]] | list[tuple[int, ...]
                           overwrite=overwrite, shard_size=shard_size)
 
 
-def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: Meta, card_table: str = "",
+def stream_convert_mean(ck: CheckpointRef, n_kv: int, out: str | Path, *, meta: Meta, card_table: Card = "",
                         overwrite: bool = False, shard_size: str | int = "5GB") -> dict:
     """Average the K/V projections of contiguous groups into `n_kv` KV heads per layer, streaming."""
     geometry = ck.geometry

@@ -16,7 +16,7 @@ from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import against_text, evaluate, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.latent import refuse_latent_surgery
-from ..model.loading import LoadedModel, load_model
+from ..model.loading import LoadedModel, cast_dtype, load_model
 from ..model.placement import require_resident_weights, sequential_placement
 from ..surgery.compensation import refit_table
 from ..surgery.merging import (
@@ -164,20 +164,23 @@ def convert_meta(req: ConvertRequest, summary: dict[str, Any], plans: Sequence[L
 def _run_streaming(req: ConvertRequest, methods: list[str]) -> ConvertRun:
     """`convert-gqa --streaming` (mean, contiguous groups): shard by shard; headtool.json from
     `convert_meta`, as in memory, with the figures of the weightless model before and after."""
-    ck = open_checkpoint(req.model, req.load.trust_remote_code)
+    ck = open_checkpoint(req.model, req.load.trust_remote_code, cast_dtype(req.load.dtype))
     refuse_latent_surgery(ck.config, req.model, "convert-gqa")
     check_target(ck.adapter, ck.geometry, req.kv_heads)
     plans = contiguous_plans(ck.geometry, req.kv_heads)
     t0 = time.perf_counter()
 
-    def meta(after) -> dict[str, Any]:
+    def summary(after) -> dict[str, Any]:
         results = [{"method": "mean", "seconds": round(time.perf_counter() - t0, 2), "refit": None}]
-        summary = convert_summary(req, methods, "mean", plans, ck.geometry, summary_figures(ck.model, ck.adapter),
-                                  summary_figures(after, ck.adapter), results)
-        return convert_meta(req, summary, plans, seen=[], source_path=ck.path, streaming=True)
+        return convert_summary(req, methods, "mean", plans, ck.geometry, summary_figures(ck.model, ck.adapter),
+                               summary_figures(after, ck.adapter), results)
+
+    def meta(after) -> dict[str, Any]:
+        return convert_meta(req, summary(after), plans, seen=[], source_path=ck.path, streaming=True)
 
     written = stream_convert_mean(ck, req.kv_heads, req.output, meta=meta, overwrite=req.overwrite,
-                                  shard_size=req.shard_size)
+                                  shard_size=req.shard_size,
+                                  card_table=lambda after, kind: card_table(summary(after)))
     return ConvertRun(summary=None, streamed=written)
 
 

@@ -19,8 +19,7 @@ from ..measure.evaluation import evaluate, paired_difference, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import read_scores
 from ..measure.scoring import DATA_METHODS, ScoreResult, carries_probe, normalize_scores, score_heads
-from ..model.loading import load_model
-from ..model.loading import LoadedModel
+from ..model.loading import LoadedModel, cast_dtype, load_model
 from ..model.info import model_info
 from ..model.latent import refuse_latent_surgery
 from ..model.placement import require_resident_weights, sequential_placement
@@ -140,23 +139,26 @@ def prune_meta(req: PruneRequest, result: PruneResult, target: Target | None, sc
 
 def _run_streaming(req: PruneRequest) -> PruneRun:
     """`prune --streaming`: the heads from --heads or a score document, removed shard by shard; its
-    headtool.json from `prune_meta`, as in memory (the tensors are read as they are: dtype auto)."""
-    ck = open_checkpoint(req.model, req.load.trust_remote_code)
+    headtool.json and model card from the in-memory path's builders (`prune_meta`, `markdown_table`)."""
+    ck = open_checkpoint(req.model, req.load.trust_remote_code, cast_dtype(req.load.dtype))
     refuse_latent_surgery(ck.config, req.model, "prune")
     check_output_target(req.output, ck.path, req.overwrite)
     selection, target, score_info, unit = _streaming_selection(ck, req)
     t0 = time.perf_counter()
 
+    def result(after) -> PruneResult:
+        return PruneResult(selection, ck.geometry, list(ck.adapter.geometry(after.config)),
+                           model_info(ck.model, ck.adapter), model_info(after, ck.adapter),
+                           elapsed_s=time.perf_counter() - t0)
+
     def meta(after) -> dict[str, Any]:
-        result = PruneResult(selection, ck.geometry, list(ck.adapter.geometry(after.config)),
-                             model_info(ck.model, ck.adapter), model_info(after, ck.adapter),
-                             elapsed_s=time.perf_counter() - t0)
-        return prune_meta(req, result, target, score_info, seen=[], source_path=ck.path, calibration=None,
-                          dtype="auto", streaming=True)
+        return prune_meta(req, result(after), target, score_info, seen=[], source_path=ck.path, calibration=None,
+                          dtype=req.load.dtype, streaming=True)
 
     kept = [list(k) for k in selection.kept]
     written = stream_prune(ck, kept, req.output, meta=meta, overwrite=req.overwrite, shard_size=req.shard_size,
-                           uneven=unit == "head")
+                           uneven=unit == "head",
+                           card_table=lambda after, kind: markdown_table(result(after), kind))
     return PruneRun(streamed={**written, "kept_heads": kept})
 
 

@@ -127,6 +127,15 @@ def _check_eval_samples(request) -> None:
         refuse_unused(given(request, ("eval_samples",)), "with --eval-data (it counts its blocks)")
 
 
+def _check_streaming(request) -> None:
+    """--streaming builds no model: it reads and writes tensors file to file, on this machine's CPU.
+    Options that place a model (--device, --device-map, --max-memory, --sequential) would do nothing;
+    --dtype does apply (the tensors are cast as they are written)."""
+    if request.streaming:
+        refuse_unused(given(request.load, ("device", "device_map", "max_memory")) + given(request, ("sequential",)),
+                      "when a model is built: --streaming copies tensors file to file on the CPU")
+
+
 def _check_with_anchor(request) -> None:
     """The declared checks of a request with an --anchor, and the anchor parsed."""
     from ..optionspec import check
@@ -309,6 +318,7 @@ class PruneRequest:
             also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""
             refuse_unused(flags, "to the refit, which needs --compensate" + also)
         _check_eval_samples(self)
+        _check_streaming(self)
         compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
         if self.allocation_margin and not compares:
             raise UsageError("--allocation-margin weighs a comparison of normalizations: give --normalize with "
@@ -381,6 +391,7 @@ class ConvertRequest:
                            "to a conversion that calibrates: --merge mean with contiguous groups and no --refit "
                            "reads no data")
         _check_eval_samples(self)
+        _check_streaming(self)
 
 
 def parse_budget(value: float | int | str) -> float:
