@@ -74,7 +74,7 @@ def test_convert_and_the_recipe_step_take_the_same_heldout_source(setup, tmp_pat
         (tmp_path / "rec" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("value", ["-1", "sideways", ","])
+@pytest.mark.parametrize("value", ["-1", "sideways", ",", "0.1,,inf", "0.1,"])  # an empty item: a typo
 def test_a_bad_anchor_is_one_line(setup, tmp_path, value):
     _, src, _ = setup
     r = _run("prune", src, *COMMON, "--fraction", 0.25, "--compensate", "--anchor", value, "-o", tmp_path / "x")

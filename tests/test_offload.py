@@ -133,7 +133,7 @@ def test_uncapped_device_map_compensated_prune_matches_the_plain_one(llama, tmp_
 
 def test_max_memory_parsing():
     assert parse_max_memory("0=70GiB, 1=70GiB,cpu=200GiB") == {0: "70GiB", 1: "70GiB", "cpu": "200GiB"}
-    for bad in ("", "cpu", "gpu=1GB", "cpu=lots"):
+    for bad in ("", "cpu", "gpu=1GB", "cpu=lots", "0=1GB,,cpu=2GB", "cpu=2GB,"):  # an empty item: a typo
         with pytest.raises(UsageError):
             parse_max_memory(bad)
     r = runner.invoke(app, ["eval", "x", "--max-memory", "cpu=1GB"])

@@ -163,7 +163,11 @@ def resolve_device(device: str) -> torch.device:
 def parse_max_memory(spec: str) -> dict[int | str, str]:
     """'0=70GiB,1=70GiB,cpu=200GiB' -> {0: '70GiB', 1: '70GiB', 'cpu': '200GiB'} (accelerate's form)."""
     caps: dict[int | str, str] = {}
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    parts = [p.strip() for p in spec.split(",")]
+    if any(not p for p in parts) and any(parts):
+        raise UsageError(f"--max-memory {spec!r}: an empty item between commas; write DEVICE=SIZE items like "
+                         "0=70GiB,cpu=200GiB")
+    for part in (p for p in parts if p):
         dev, sep, size = part.partition("=")
         dev, size = dev.strip().lower(), size.strip()
         if not sep or not dev or not size:

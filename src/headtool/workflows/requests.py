@@ -64,8 +64,8 @@ def parse_anchor(text: str) -> float | tuple[float, ...]:
 
     if str(text).strip() == "auto":
         return ANCHOR_GRID
-    try:
-        values = tuple(float(x) for x in str(text).split(",") if x.strip())
+    try:  # an empty item ('1,,2', '1,') is a typo, as in --normalize and --merge lists
+        values = tuple(float(x) for x in str(text).split(","))
     except ValueError:
         values = ()
     if not values or any(v != v or v < 0 for v in values):
