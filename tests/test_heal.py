@@ -254,6 +254,10 @@ def test_resume_checks(pair, text, tmp_path):
     res = runner.invoke(app, base + ["--resume", "--max-steps", "4", "--save-every", "1", "--lr", "3e-3",
                                      "--keep-last"])
     assert res.exit_code == 2 and "keep_best" in res.stderr, res.stderr
+    # nor the dtype: the teacher's logits and the written weights are in it (it was accepted silently)
+    res = runner.invoke(app, base + ["--resume", "--max-steps", "4", "--save-every", "1", "--lr", "3e-3",
+                                     "--dtype", "bfloat16"])
+    assert res.exit_code == 2 and "dtype" in res.stderr and "bfloat16" in res.stderr, res.stderr
     res = runner.invoke(app, base + ["--max-steps", "4"])
     assert res.exit_code == 2 and "--resume" in res.stderr and "--overwrite" in res.stderr
     res = runner.invoke(app, base + ["--max-steps", "2", "--overwrite"])  # --overwrite starts over

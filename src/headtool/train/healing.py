@@ -47,6 +47,8 @@ STATE_FILE = "state.pt"
 # under --keep-last saved no best weights, so a resume with --keep-best chose only among the steps
 # after the interruption (and wrote weights far from the best the evaluations show).
 RESUME_FREE = ("eval_every", "save_every", "gradient_checkpointing")
+#: identity facts recorded since a later version: checked when the saved state has them
+ADDED_IDENTITY = ("dtype",)
 
 
 @dataclass
@@ -274,6 +276,8 @@ def _check_resume(state: dict, opts: HealOptions, identity: dict[str, Any], tota
         raise UsageError(f"--resume: the options differ from the interrupted run ({desc}); use the same options "
                          "or start over with --overwrite")
     for key, value in identity.items():
+        if key in ADDED_IDENTITY and key not in state:
+            continue  # a state saved before headtool recorded it
         if state.get(key) != value:
             raise UsageError(f"--resume: the {key} differs from the interrupted run's "
                              f"({state.get(key)} vs {value}); use the same models and data or --overwrite")

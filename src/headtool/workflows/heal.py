@@ -82,6 +82,11 @@ def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
     return res
 
 
+def _dtype_name(of) -> str:
+    dtype = of if isinstance(of, torch.dtype) else next(of.parameters()).dtype
+    return str(dtype).replace("torch.", "")
+
+
 def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None] | None = None
              ) -> dict[str, Any]:
     """Load STUDENT and TEACHER, heal, and write OUTPUT in the student's own format; returns the result.
@@ -129,7 +134,10 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     out_dtype = next(student.model.parameters()).dtype
     student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
     identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,
-                "train_data": train.info.get("fingerprint"), "eval_data": held.info.get("fingerprint")}
+                "train_data": train.info.get("fingerprint"), "eval_data": held.info.get("fingerprint"),
+                # the teacher's logits and the written weights are in the loaded dtype (the fingerprints,
+                # rounded to bf16, do not tell float32 from bfloat16)
+                "dtype": f"student {_dtype_name(out_dtype)}, teacher {_dtype_name(teacher.model)}"}
     result = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
                         objective=objective, state_dir=state_dir, resume=req.resume, identity=identity,
                         callback=callback, world=world)
