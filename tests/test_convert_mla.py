@@ -328,6 +328,13 @@ def test_cli_writes_a_folder_that_reloads_with_trust_remote_code(tmp_path):
     assert model_info(ours.model, ours.adapter)["kv_cache_bytes_per_token"] == per_token
     r = runner.invoke(app, ["info", str(out), "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["kv_rank"] == 6 and "latent attention" in r.stderr
+    # eval --speed names the latent as eval does (it showed the source's 12/6 KV heads)
+    r = runner.invoke(app, ["eval", str(out), "--speed", "--context", "8", "--new-tokens", "2", "--repeats", "1",
+                            "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.stderr
+    (row,) = json.loads(r.stdout)["results"]
+    assert row["kv_rank"] == 6 and row["rope_dim"] == 4 and row["kv_cache_bytes_per_token"] == per_token
+    assert "12/latent" in r.stderr and "12/6" not in r.stderr
 
 
 @pytest.mark.parametrize("family", ["mistral", "gpt2"])  # GPT-2: a Conv1D family whose latent o_proj is Linear

@@ -99,7 +99,7 @@ def eval_table(result: dict[str, Any]) -> Table:
             "" if r is base else f"{dl:+.4f}{se}",
             f"{100 * r[metric]:.2f}%" if metric == "accuracy" else f"{r[metric]:.4f}",
             "" if r is base else f"{ratio:.3f}x", human_int(r["params"]),
-            f"{r['total_heads']}/{'latent' if r.get('kv_rank') is not None else r['total_kv_heads']}",
+            heads_cell(r),
             human_bytes(r["kv_cache_bytes_per_token"]),
         )
     return t
@@ -153,6 +153,12 @@ def pairs_table(title: str, pairs: Sequence[dict[str, Any]]) -> Table:
     return t
 
 
+def heads_cell(r: dict[str, Any]) -> str:
+    """'query heads/KV heads' of an eval row; latent attention (convert-mla) caches a latent instead."""
+    kv = "latent" if r.get("kv_rank") is not None else r.get("total_kv_heads", "?")
+    return f"{r.get('total_heads', '?')}/{kv}"
+
+
 def speed_table(doc: dict[str, Any]) -> Table:
     """Prefill/decode throughput, KV cache and memory of models side by side (ratios to the first)."""
     s = doc["settings"]
@@ -177,7 +183,7 @@ def speed_table(doc: dict[str, Any]) -> Table:
             "n/a" if r.get("kv_cache_bytes") is None else human_bytes(r["kv_cache_bytes"]),
             ratio(r, "kv_cache_bytes", first),
             "n/a" if r.get("peak_memory_delta_bytes") is None else human_bytes(r["peak_memory_delta_bytes"]),
-            f"{r.get('total_heads', '?')}/{r.get('total_kv_heads', '?')}",
+            heads_cell(r),
         )
     return t
 

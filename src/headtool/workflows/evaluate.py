@@ -170,7 +170,8 @@ def run_speed(req: SpeedRequest) -> dict[str, Any]:
         res.update(path=lm.path, params=figures["params"], total_heads=figures["total_heads"],
                    total_kv_heads=figures["total_kv_heads"], dtype=figures["dtype"],
                    kv_cache_bytes_per_token=figures["kv_cache_bytes_per_token"],
-                   attn_implementation=getattr(lm.config, "_attn_implementation", None))
+                   attn_implementation=getattr(lm.config, "_attn_implementation", None),
+                   **{k: figures[k] for k in ("kv_rank", "rope_dim") if k in figures})
     return {
         "format": FORMAT,
         "settings": {**asdict(spec), "source": source, "seed": seed, "threads": torch.get_num_threads(),
