@@ -166,11 +166,24 @@ def test_dtype_and_device_options(tmp_path):
         assert res.exit_code == 2, res.output
 
 
-def test_fingerprint_is_stable_across_dtypes_and_changes_with_weights(tmp_path):
-    folder = save_tiny("llama", tmp_path / "m")
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_fingerprint_is_stable_across_dtypes_and_changes_with_weights(tmp_path, family):
+    """float16 too: its values rounded twice (to float16, then bfloat16) gave another fingerprint, and
+    `prune --scores` refused scores made at --dtype float16 as made for another model."""
+    folder = save_tiny(family, tmp_path / "m")
     a = load_model(str(folder), dtype="float32")
-    b = load_model(str(folder), dtype="bfloat16")
-    assert a.fingerprint == b.fingerprint
+    assert a.fingerprint == load_model(str(folder), dtype="bfloat16").fingerprint
+    assert a.fingerprint == load_model(str(folder), dtype="float16").fingerprint
+    if family != "llama":
+        return
+    scores = tmp_path / "s16.json"
+    res = runner.invoke(app, ["score", str(folder), "--dtype", "float16", "--data", "builtin:pydoc",
+                              "--seq-len", "16", "--max-samples", "2", "-o", str(scores)])
+    assert res.exit_code == 0, res.output
+    for extra in ([], ["--streaming"]):
+        res = runner.invoke(app, ["prune", str(folder), "--scores", str(scores), "--fraction", "0.25",
+                                  "-o", str(tmp_path / f"p{len(extra)}"), *extra])
+        assert res.exit_code == 0, res.output
     other = save_tiny("llama", tmp_path / "o", seed=5)
     assert load_model(str(other)).fingerprint != a.fingerprint
 

@@ -3,7 +3,8 @@
 `prune --scores` checks that a score document was made for the same model. Hashing every
 byte of a 70B model is too slow, so we hash the architecture keys and every tensor's shape and
 a strided sample of its values rounded to bfloat16 (so loading the same checkpoint as float32 or
-bfloat16 gives the same fingerprint). Names and order are left out: checkpoints may store
+bfloat16 gives the same fingerprint; a model loaded in float16, whose values would be rounded twice,
+takes its fingerprint from the files: `loading._fingerprint_from_files`). Names and order are left out: checkpoints may store
 legacy names, and tied copies count once.
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,7 +178,20 @@ def load_model(
     model.eval()
     tok = load_tokenizer(tokenizer or path, trust_remote_code)
     return LoadedModel(model=model, tokenizer=tok, adapter=adapter, ref=ref, path=path,
-                       source=source, task=task)
+                       source=source, task=task, _fingerprint=_fingerprint_from_files(model, path))
+
+
+def _fingerprint_from_files(model, path: str) -> str | None:
+    """The checkpoint's fingerprint read from its files, for a model loaded in float16: its values,
+    rounded twice (to float16, then to the fingerprint's bfloat16), differ from the same checkpoint
+    loaded in float32 or bfloat16, so that a score document made at one precision was refused at the
+    other as 'made for another model'. None: the loaded model's own fingerprint serves."""
+    if next(model.parameters()).dtype != torch.float16 or not any(Path(path).glob("*.safetensors")):
+        return None
+    try:
+        return folder_fingerprint(path)
+    except UsageError:
+        return None
 
 
 def model_from_object(model, tokenizer=None, ref: str = "<memory>") -> LoadedModel:
