@@ -136,3 +136,26 @@ def test_the_builtin_demo_recipe_validates():
     with resources.as_file(resources.files("headtool") / "builtin_recipes" / "demo.yaml") as path:
         res = runner.invoke(app, ["run", str(path), "--check"])
     assert res.exit_code == 0, res.output
+
+
+# --------------------------------------------------------------------------- 5. a score step's document
+def test_a_score_steps_document_follows_the_file_rules_of_score_o(tmp_path):
+    """`headtool score -o` refuses a file inside the input model folder or over an input file before it
+    scores; a recipe's score step wrote its document there (into the model folder, over the data file)
+    once the scoring was done."""
+    model = tmp_path / "model"
+    model.mkdir()
+    data = tmp_path / "d.txt"
+    data.write_text("some text " * 50)
+    path = _write(tmp_path, f"model: {model}\ndata: {{source: {data}}}\nsteps:\n"
+                            f"  - score: {{output: {model / 's.json'}}}\n"
+                            f"  - score: {{output: {data}}}\n"
+                            f"  - score: {{output: {tmp_path / 'no' / 's.json'}}}\n"
+                            f"  - score: {{output: {tmp_path / 'fine.json'}}}\n")
+    for extra in (["--check"], []):
+        res = runner.invoke(app, ["run", str(path), *extra])
+        _refused(res, "3 problem(s)", f"{path}:4:21: steps.0.output: {model / 's.json'}: lies inside the input "
+                 "model folder", f"{path}:5:21: steps.1.output: {data}: is an input of this command",
+                 f"{path}:6:21: steps.2.output: {tmp_path / 'no' / 's.json'}: folder")
+    assert sorted(p.name for p in model.iterdir()) == [] and data.read_text() == "some text " * 50
+    assert runner.invoke(app, ["run", str(path), "--check", "--dry-run"]).exit_code == 0  # nothing is written

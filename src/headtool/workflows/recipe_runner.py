@@ -297,7 +297,35 @@ def validate_whole(recipe: Recipe, *, output: str | None = None, dry_run: bool =
     command checks it; an output where steps rewrite the weights (unless `dry_run`) listed with either."""
     nowhere = [] if dry_run else output_problems(recipe, output)
     validate(recipe, more=nowhere)
-    raise_problems(recipe, request_problems(recipe) + nowhere)
+    raise_problems(recipe, request_problems(recipe) + nowhere + ([] if dry_run else document_problems(recipe)))
+
+
+def document_problems(recipe: Recipe) -> list[str]:
+    """A score step's document follows the rules of `headtool score -o` (io.files.check_output_path): never
+    inside an input model folder nor over a file the run reads (the model, every step's data, the recipe),
+    in a folder that exists; found before the model loads, not when the scoring is done."""
+    from ..io.files import check_output_path
+
+    inputs = [recipe.values.get("model"), recipe.path]
+    for step in recipe.steps:
+        try:
+            req = build_request(recipe, step)
+        except UsageError:
+            continue  # (listed by request_problems)
+        for spec in (req.data, getattr(req, "eval_data", None), getattr(req, "heldout_data", None)):
+            source = spec.source if isinstance(spec, DataSpec) else spec
+            if isinstance(source, str):
+                inputs += [part.source for part in parse_sources(source)]
+    problems = []
+    for i, step in enumerate(recipe.steps):
+        out = step.get("output") if step["step"] == "score" else None
+        if isinstance(out, str) and out != "-":
+            try:
+                check_output_path(out, "output", inputs)
+            except UsageError as e:
+                problems.append(f"{recipe.where(f'steps.{i}.output')}: steps.{i}.output: "
+                                f"{str(e).removeprefix('output ')}")
+    return problems
 
 
 def request_problems(recipe: Recipe) -> list[str]:
