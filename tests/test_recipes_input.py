@@ -159,3 +159,17 @@ def test_a_score_steps_document_follows_the_file_rules_of_score_o(tmp_path):
                  f"{path}:6:21: steps.2.output: {tmp_path / 'no' / 's.json'}: folder")
     assert sorted(p.name for p in model.iterdir()) == [] and data.read_text() == "some text " * 50
     assert runner.invoke(app, ["run", str(path), "--check", "--dry-run"]).exit_code == 0  # nothing is written
+
+
+def test_a_bad_shard_size_is_refused_before_any_step_runs(tmp_path):
+    """`--shard-size lots` is a usage error of every command before it works; a recipe's `shard_size: lots`
+    passed `run --check` and failed when the output was written, after every step had run."""
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nshard_size: lots\nsteps:\n"
+                            "  - prune: {heads: '1:0'}\n")
+    for extra in (["--check"], []):
+        res = runner.invoke(app, ["run", str(path), *extra])
+        _refused(res, "1 problem(s)", f"{path}:3:13: shard_size: must be a size such as 5GB, 500MB or a number "
+                 "of bytes, got 'lots'")
+    for good in ("500MB", "1000000"):
+        res = runner.invoke(app, ["run", str(path), "--check", "--set", f"shard_size={good}"])
+        assert res.exit_code == 0, res.output

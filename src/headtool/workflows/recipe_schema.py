@@ -115,7 +115,9 @@ REFUSED_ORDERS: tuple[tuple[str, dict[str, Any], str, str, str], ...] = (
 
 TOP_KEYS: dict[str, Check | str] = {
     "name": _STR, "description": _STR, "model": _STR, **{o.name: _opt_check(o) for o in options_of(LoadOptions)},
-    "seed": _int_min(0), "data": _DATA, "output": _folder, "overwrite": _BOOL, "shard_size": _STR, "sequential": _BOOL,
+    "seed": _int_min(0), "data": _DATA, "output": _folder, "overwrite": _BOOL, "sequential": _BOOL,
+    # the commands' --shard-size and its check (a bad size was found when the output was written, after every step)
+    "shard_size": _opt_check(next(o for o in options_of(PruneRequest) if o.name == "shard_size")),
     "steps": "steps",
 }
 
