@@ -178,3 +178,20 @@ def test_options_read_in_some_combinations_stay_accepted_there():
     assert set(MERGE_METHODS) - {"mean"} == set(DATA_METHODS)
     with pytest.raises(UsageError, match="--damping only applies to the output-projection refit"):
         ConvertRequest("m", 1, merge="aligned", damping=0.1).validate()
+
+
+def test_a_prune_step_with_scores_and_heads_is_refused_as_on_the_command_line(tmp_path):
+    """`headtool prune --scores S --heads H` is a usage error; a recipe step with both removed the listed
+    heads and never read the scores, silently."""
+    from typer.testing import CliRunner
+
+    from headtool.cli import app
+
+    scores = tmp_path / "s.json"
+    scores.write_text("{}")
+    p = tmp_path / "r.yaml"
+    p.write_text(f"model: smollm2-135m\noutput: {tmp_path / 'out'}\nsteps:\n"
+                 f"  - prune: {{heads: '1:0', scores: {scores}}}\n")
+    r = CliRunner().invoke(app, ["run", str(p), "--check"])
+    assert r.exit_code == 2 and "has 1 problem(s)" in r.stderr, r.output
+    assert f"{p}:4:" in r.stderr and "steps.0 (prune): give either --scores or --heads, not both" in r.stderr

@@ -313,6 +313,8 @@ class PruneRequest:
         _check_with_anchor(self)
         from ..errors import UsageError
 
+        if self.scores is not None and self.heads is not None:  # (the listed heads were removed, the scores unread)
+            raise UsageError("give either --scores or --heads, not both")
         if not self.compensate:
             flags = self.refit_options_given()
             also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""
