@@ -195,3 +195,21 @@ def test_a_prune_step_with_scores_and_heads_is_refused_as_on_the_command_line(tm
     r = CliRunner().invoke(app, ["run", str(p), "--check"])
     assert r.exit_code == 2 and "has 1 problem(s)" in r.stderr, r.output
     assert f"{p}:4:" in r.stderr and "steps.0 (prune): give either --scores or --heads, not both" in r.stderr
+
+
+def test_a_data_block_of_a_conversion_that_reads_no_data_is_refused_as_on_the_command_line(tmp_path):
+    """`headtool convert-gqa --merge mean --max-samples 8` refuses data options that a mean merge of
+    contiguous groups never reads; a recipe step's own data block was accepted and ignored. The
+    recipe's top-level data block, which other steps share, stays accepted."""
+    from typer.testing import CliRunner
+
+    from headtool.cli import app
+
+    p = tmp_path / "r.yaml"
+    p.write_text(f"model: smollm2-135m\noutput: {tmp_path / 'out'}\ndata: {{source: builtin:pydoc, max_samples: 4}}\n"
+                 "steps:\n  - convert_gqa: {kv_heads: 1, merge: mean, data: {max_samples: 8}}\n"
+                 "  - convert_gqa: {kv_heads: 1, merge: mean}\n"
+                 "  - convert_gqa: {kv_heads: 1, merge: mean, grouping: similarity, data: {max_samples: 8}}\n")
+    r = CliRunner().invoke(app, ["run", str(p), "--check"])
+    assert r.exit_code == 2 and "has 1 problem(s)" in r.stderr, r.output
+    assert f"{p}:5:" in r.stderr and "steps.0.data: merge mean with contiguous grouping reads no data" in r.stderr

@@ -334,9 +334,16 @@ def request_problems(recipe: Recipe) -> list[str]:
     problems = []
     for i, step in enumerate(recipe.steps):
         try:
-            build_request(recipe, step).validate()
+            req = build_request(recipe, step)
+            req.validate()
         except UsageError as e:
             problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i} ({step['step']}): {e}")
+            continue
+        if step["step"] == "convert_gqa" and "data" in step and not req.reads_data:
+            # as `headtool convert-gqa` refuses its data options here (the recipe's own data block is shared)
+            problems.append(f"{recipe.where(f'steps.{i}.data')}: steps.{i}.data: merge mean with contiguous "
+                            "grouping reads no data (add a data merge, grouping: similarity or refit: true, or "
+                            "leave the step's data block out)")
     return problems
 
 
