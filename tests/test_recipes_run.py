@@ -240,3 +240,29 @@ def test_a_recipe_eval_marks_text_an_earlier_step_was_fitted_on(tmp_path):
     evals = [r for r in json.loads(res.stdout)["steps"] if r["step"] == "eval"]
     assert [(r["data"], r["in_domain"]) for r in evals] == [("builtin:licenses", False), ("builtin:pydoc", True)]
     assert "builtin:pydoc *" in res.stderr and "in-domain" in res.stderr
+
+
+def test_a_recipe_eval_on_the_calibrations_mixture_starts_after_it_as_headtool_eval_does(tmp_path):
+    """An eval step on the mixture the steps calibrated on (the recipe's own data block) evaluated the
+    calibration blocks themselves, from block 0, where `headtool eval` of the written model starts after
+    them: the two disagreed on the loss. The step now makes eval's cut on the record its output carries."""
+    texts = {"a.txt": "alpha {i} beta {j} gamma.", "b.txt": "delta {i} epsilon {j} zeta."}
+    for name, line in texts.items():
+        (tmp_path / name).write_text(" ".join(line.format(i=i, j=i * 7 % 13) for i in range(1500)))
+    src = save_tiny("llama", tmp_path / "src")
+    mixture = f"{tmp_path / 'a.txt'}+{tmp_path / 'b.txt'}"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\noutput: {tmp_path / 'out'}\n"
+                      f"data: {{source: '{mixture}', seq_len: 16, batch_size: 2, max_samples: 4}}\nsteps:\n"
+                      "  - convert_gqa: {kv_heads: 1, merge: fit, heldout_samples: 2}\n"
+                      "  - eval: {data: {max_samples: 2}}\n")
+    res = runner.invoke(app, ["run", str(recipe), "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.stdout)["steps"][-1]
+    assert row["skip_samples"] == 6 and row["in_domain"] is True  # after 4 calibration + 2 held-out blocks
+    res = runner.invoke(app, ["eval", str(src), str(tmp_path / "out"), "--data", mixture, "--seq-len", "16",
+                              "--batch-size", "2", "--max-samples", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["data"]["skip_samples"] == 6
+    assert [r["loss"] for r in doc["results"]] == [row["loss_before"], row["loss"]]

@@ -16,12 +16,13 @@ from typing import Any, Sequence
 import yaml
 
 from ..console import info, warn
-from ..data.batches import blocks_read, evaluation_reads, leading_blocks
+from ..data.batches import blocks_read, evaluation_reads, resolve_auto
 from ..data.selfgen import can_sample
-from ..data.sources import AUTO_SOURCE, DataSpec, file_identity, is_auto, parse_sources, self_source, source_key
+from ..data.sources import AUTO_SOURCE, DataSpec, file_identity, is_auto, parse_sources, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, written_record
+from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import build_document, write_document
 from ..measure.scoring import ScoreResult
 from ..model.info import model_info
@@ -38,6 +39,7 @@ from ..surgery.merging import merged_geometry
 from ..surgery.selection import check_target
 from .convert_gqa import convert_loaded
 from .convert_mla import convert_mla_loaded, latent_target
+from .data_plan import evaluation_cut
 from .evaluate import eval_loaded
 from .heal import heal_loaded
 from .prune import prune_loaded, prune_target
@@ -61,11 +63,10 @@ class Context:
     original: Any = None  # the unmodified model, kept when an eval or heal step or `self` data needs it
     calib_device: Any = None  # with `sequential: true`: the device each layer visits during calibration
     scores: ScoreResult | None = None  # the last score step's, until a prune uses them
-    #: what the steps so far read (blocks_read infos): the output's data_read, and eval's in-domain mark
+    #: what the steps so far read (blocks_read infos): the output's data_read, where eval steps start and
+    #: their in-domain mark
     reads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: (source, seq_len, seed) -> leading blocks of it the calibrating steps read (evaluations start after)
-    read: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     dry_run: bool = False  # nothing is written: not the model, not a score step's document
     num_heads_before: list[int] = dataclasses.field(default_factory=list)  # the recipe model's, per layer
     #: per layer, the recipe model's query head at each position of the model as it stands (None: unchanged)
@@ -220,20 +221,22 @@ def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
 
 
 def _after_the_calibration(ctx: Context, step: dict, req: Any) -> Any:
-    """An eval step that does not say where its blocks start begins after the blocks of its source
-    that earlier steps calibrated, refitted or trained on: a figure measured on them flatters."""
-    d = req.data
-    if "skip_samples" in (step_data(ctx.recipe, step) or {}) or len(parse_sources(d.source)) > 1:
+    """An eval step that does not say where its blocks start begins after the blocks of its source (one
+    source or a mixture, `auto` as it resolves) that earlier steps calibrated, refitted or trained on, or
+    that the recipe's model was fitted on: the cut `headtool eval` makes on the output's record
+    (data_plan.evaluation_cut), since a figure measured on them flatters."""
+    if "skip_samples" in (step_data(ctx.recipe, step) or {}):
         return req
-    key = source_key(d.source)  # ctx.read names a local file by its resolved path (leading_blocks)
-    n = ctx.read.get((key, d.seq_len, d.seed))
+    objective = resolve_objective(req.objective, ctx.lm.task, req.data.label_column)
+    d = resolve_auto(req.data, ctx.lm.tokenizer, ctx.text_model, DATA_TASK[objective])
+    cut = evaluation_cut(d, {"recipe": written_record(ctx.reads, ctx.lm.path)})
+    n = cut.spec.skip_samples
     if n:
-        info(f"eval on {d.source}: from block {n} on (earlier steps read the {n} before it)")
-        return dataclasses.replace(req, data=dataclasses.replace(d, skip_samples=n))
-    if any(source == key for source, _, _ in ctx.read):
+        info(f"eval on {d.source}: from block {n} on (the model was fitted on the {n} before it)")
+    if cut.other_cut:
         warn(f"eval on {d.source}: earlier steps read it with another seq_len or seed, so its blocks may "
              "overlap theirs; give the eval step skip_samples")
-    return req
+    return dataclasses.replace(req, data=cut.spec)
 
 
 def step_eval(ctx: Context, step: dict) -> dict[str, Any]:
@@ -381,10 +384,6 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         with blocks_read() as seen, (evaluation_reads() if step["step"] == "eval" else nullcontext()):
             figures = STEPS[step["step"]](ctx, step)
         ctx.reads += seen
-        for batch_info in seen:  # what later eval steps start after: the blocks a step fitted on
-            if batch_info.get("role") != "eval":
-                for key, n in leading_blocks(batch_info).items():
-                    ctx.read[key] = max(n, ctx.read.get(key, 0))
         row = summary_row(step["step"], figures, model_info(ctx.lm.model, ctx.lm.adapter), time.perf_counter() - t0)
         rows.append(row)
         if on_step:
