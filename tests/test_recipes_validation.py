@@ -213,3 +213,24 @@ def test_a_data_block_of_a_conversion_that_reads_no_data_is_refused_as_on_the_co
     r = CliRunner().invoke(app, ["run", str(p), "--check"])
     assert r.exit_code == 2 and "has 1 problem(s)" in r.stderr, r.output
     assert f"{p}:5:" in r.stderr and "steps.0.data: merge mean with contiguous grouping reads no data" in r.stderr
+
+
+def test_a_command_option_a_step_does_not_take_says_where_it_goes(tmp_path):
+    """`output`, `overwrite`, `dry_run`, `streaming` or `resume` in a step were each an "unknown key" whose
+    list of known keys left them out, though the command takes them: the message now says why a step
+    does not (the declared `why`: a whole-recipe key, or one only a command run has)."""
+    p = tmp_path / "r.yaml"
+    p.write_text("model: smollm2-135m\noutput: out\nsteps:\n"
+                 "  - prune: {fraction: 0.3, output: x, overwrite: true, dry_run: true, streaming: true}\n"
+                 "  - heal: {max_steps: 1, resume: true, colour: red}\n")
+    r = load_recipe(p)
+    with pytest.raises(UsageError) as e:
+        validate(r)
+    msg = str(e.value)
+    assert "has 6 problem(s)" in msg, msg
+    assert "steps.0.output: not a key of a step: a whole-recipe key: give output at the top of the recipe" in msg
+    assert "steps.0.overwrite: not a key of a step: a recipe writes its final model once" in msg
+    assert "steps.0.dry_run: not a key of a step: a recipe's steps always run: `headtool run --dry-run`" in msg
+    assert "steps.0.streaming: not a key of a step: a recipe keeps the model in memory" in msg
+    assert "steps.1.resume: not a key of a step: a recipe heals in memory" in msg
+    assert "steps.1.colour: unknown key" in msg

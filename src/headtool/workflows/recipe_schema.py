@@ -21,7 +21,7 @@ import yaml
 from ..data.sources import DataSpec, parse_sources
 from ..errors import UsageError
 from ..model.placement import LoadOptions
-from ..optionspec import STEP, Opt, options_of, problem
+from ..optionspec import CLI_ONLY, RECIPE, STEP, Opt, options_of, problem
 from ..train.options import HealOptions
 from .requests import ConvertRequest, EvalRequest, HealRequest, LatentRequest, PruneRequest, ScoreRequest
 
@@ -120,6 +120,23 @@ TOP_KEYS: dict[str, Check | str] = {
     "shard_size": _opt_check(next(o for o in options_of(PruneRequest) if o.name == "shard_size")),
     "steps": "steps",
 }
+
+
+def _not_step_keys(name: str) -> dict[str, str]:
+    """The options of a step's command that a recipe step does not take, and why (its declared `why`):
+    a whole-recipe key (output, overwrite, ...) or one only a command run has (streaming, resume, ...)."""
+    cls, nested = STEP_REQUESTS[name]
+    out = {}
+    for o in [*options_of(cls), *(o for c in nested.values() for o in options_of(c))]:
+        if o.where == RECIPE and o.name in TOP_KEYS:
+            out[o.name] = o.meta["why"] or f"a whole-recipe key: give {o.name} at the top of the recipe"
+        elif o.where == CLI_ONLY and o.meta["why"]:
+            out[o.name] = o.meta["why"]
+    return out
+
+
+#: step -> {command option it does not take: why} (said instead of "unknown key")
+NOT_STEP_KEYS = {name: _not_step_keys(name) for name in STEP_REQUESTS}
 
 
 # --------------------------------------------------------------------------- loading with marks
@@ -298,14 +315,16 @@ def _looks_local(ref: str) -> bool:
 
 
 def _check_block(block: Any, schema: dict[str, Check | str], where: str, recipe: Recipe,
-                 problems: list[str]) -> None:
+                 problems: list[str], elsewhere: dict[str, str] | None = None) -> None:
     if not isinstance(block, dict):
         problems.append(f"{recipe.where(where)}: {where}: must be a mapping")
         return
     for key, value in block.items():
         dotted = f"{where}.{key}" if where else key
         check = schema.get(key)
-        if check is None and key != "step":
+        if check is None and key in (elsewhere or {}):
+            problems.append(f"{recipe.where(dotted)}: {dotted}: not a key of a step: {elsewhere[key]}")
+        elif check is None and key != "step":
             problems.append(f"{recipe.where(dotted)}: {dotted}: unknown key (known: {', '.join(sorted(schema))})")
         elif value is None and check != "steps":  # (an empty steps: is "required" below)
             if not (callable(check) and check(None) is None):  # null is a value only where None is allowed
@@ -364,7 +383,7 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
         if name not in STEP_KEYS:
             problems.append(f"{recipe.where(where)}: {where}: unknown step {name!r} (known: {', '.join(STEP_KEYS)})")
             continue
-        _check_block(step, STEP_KEYS[name], where, recipe, problems)
+        _check_block(step, STEP_KEYS[name], where, recipe, problems, NOT_STEP_KEYS[name])
         problems += _target_problems(recipe, i, step)
         for key, opt in step_options(name).items():
             if opt.required and key not in step:

@@ -273,7 +273,7 @@ class PruneRequest:
                                               "(held out from --data when it is the same source)", panel=_E)
     eval_samples: int = option(32, "blocks for --eval-data", min=1, panel=_E)
     dry_run: bool = option(False, "plan and summary; nothing written", where=CLI_ONLY,
-                           why="a recipe's steps always run; leave out `output` to write nothing")
+                           why="a recipe's steps always run: `headtool run --dry-run` writes nothing")
     overwrite: bool = _overwrite()
     shard_size: str = _shard_size()
     streaming: bool = option(False, "work shard by shard on the safetensors files, never building the model "
