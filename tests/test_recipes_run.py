@@ -266,3 +266,17 @@ def test_a_recipe_eval_on_the_calibrations_mixture_starts_after_it_as_headtool_e
     doc = json.loads(res.stdout)
     assert doc["data"]["skip_samples"] == 6
     assert [r["loss"] for r in doc["results"]] == [row["loss_before"], row["loss"]]
+
+
+def test_a_score_document_on_stdout_beside_run_json_is_refused(tmp_path):
+    """`output: '-'` and `run --json` both wrote to stdout: two JSON documents that no reader parses."""
+    src = save_tiny("llama", tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\nsteps:\n  - score: {{method: magnitude, output: '-'}}\n")
+    for extra in (["--json"], ["--check", "--json"]):
+        res = runner.invoke(app, ["run", str(recipe), *extra])
+        assert res.exit_code == 2, res.output
+        assert "steps.0.output" in res.stderr and "--json" in res.stderr
+    res = runner.invoke(app, ["run", str(recipe)])  # alone on stdout, the document is one JSON document
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["scores"]

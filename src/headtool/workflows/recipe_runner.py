@@ -295,12 +295,23 @@ def summary_row(step: str, figures: dict, info: dict, seconds: float) -> dict[st
             **({"kv_rank": info["kv_rank"], "rope_dim": info["rope_dim"]} if "kv_rank" in info else {}), **figures}
 
 
-def validate_whole(recipe: Recipe, *, output: str | None = None, dry_run: bool = False) -> None:
+def validate_whole(recipe: Recipe, *, output: str | None = None, dry_run: bool = False,
+                   json_stdout: bool = False) -> None:
     """The recipe's keys and step order (recipe_schema.validate), then each step's request as its
-    command checks it; an output where steps rewrite the weights (unless `dry_run`) listed with either."""
+    command checks it; an output where steps rewrite the weights (unless `dry_run`) listed with either.
+    json_stdout: the run's summary goes to stdout (`run --json`), which a score document may not share."""
     nowhere = [] if dry_run else output_problems(recipe, output)
     validate(recipe, more=nowhere)
-    raise_problems(recipe, request_problems(recipe) + nowhere + ([] if dry_run else document_problems(recipe)))
+    documents = [] if dry_run else document_problems(recipe) + (stdout_problems(recipe) if json_stdout else [])
+    raise_problems(recipe, request_problems(recipe) + nowhere + documents)
+
+
+def stdout_problems(recipe: Recipe) -> list[str]:
+    """A score step writing its document to stdout (`output: "-"`) beside `run --json`'s summary would
+    make stdout two JSON documents that no reader parses."""
+    return [f"{recipe.where(f'steps.{i}.output')}: steps.{i}.output: '-' writes the score document to stdout, "
+            "where --json writes the run's summary: give the step a file, or leave out --json"
+            for i, step in enumerate(recipe.steps) if step["step"] == "score" and step.get("output") == "-"]
 
 
 def document_problems(recipe: Recipe) -> list[str]:
@@ -351,10 +362,10 @@ def request_problems(recipe: Recipe) -> list[str]:
 
 
 def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | None = None,
-               on_step=None, dry_run: bool = False) -> dict[str, Any]:
+               on_step=None, dry_run: bool = False, json_stdout: bool = False) -> dict[str, Any]:
     """Validate `recipe` whole, then run its steps; returns the summary (and writes the output,
-    unless `dry_run`: then nothing is written)."""
-    validate_whole(recipe, output=output, dry_run=dry_run)
+    unless `dry_run`: then nothing is written). json_stdout: the caller prints the summary on stdout."""
+    validate_whole(recipe, output=output, dry_run=dry_run, json_stdout=json_stdout)
     v = recipe.values
     out = None if dry_run else output or v.get("output")
     ow = bool(v.get("overwrite")) if overwrite is None else overwrite

@@ -75,12 +75,12 @@ def run_cmd(
     r = load_recipe(recipe)
     apply_overrides(r, list(set_ or []))
     if check:
-        validate_whole(r, output=output, dry_run=dry_run)
+        validate_whole(r, output=output, dry_run=dry_run, json_stdout=json_out)
         info(f"{recipe}: valid ({len(r.steps)} steps)")
         if json_out:
             print_json(resolved(r))
         return
-    result = run_recipe(r, output=output, overwrite=overwrite or None, dry_run=dry_run,
+    result = run_recipe(r, output=output, overwrite=overwrite or None, dry_run=dry_run, json_stdout=json_out,
                         on_step=lambda i, row: info(f"step {i + 1}/{len(r.steps)} {row['step']}: done in "
                                                     f"{row['seconds']:.1f}s"))
     render_summary(result)
