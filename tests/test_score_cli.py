@@ -194,3 +194,20 @@ def test_the_heatmap_label_names_the_normalization():
     assert _cbar_label("gradient", "none") == "mean |dL/dg|"
     assert _cbar_label("gradient", "layer") == "mean |dL/dg| / layer L2 norm"
     assert _cbar_label("gradient", "geometric") == "mean |dL/dg| / sqrt(layer L2 norm)"
+
+
+@pytest.mark.parametrize("command", [["score"], ["prune", "--fraction", "0.25", "-o", "out"]])
+def test_taylor_with_kl_is_refused_before_the_model_loads(tmp_path, command):
+    """It was refused after loading (a recipe: after the steps before it); the missing model shows it is
+    now found first."""
+    res = runner.invoke(app, [command[0], str(tmp_path / "no-such-model"), *command[1:], "--method", "taylor",
+                              "--objective", "kl", "--data", "builtin:pydoc"])
+    assert res.exit_code == 2 and "taylor" in res.stderr and "no-such-model" not in res.stderr, res.output
+
+
+def test_taylor_with_kl_in_a_recipe_is_a_located_problem(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    src = save_tiny("llama", tmp_path / "src")
+    recipe.write_text(f"model: {src}\nsteps:\n  - score: {{method: taylor, objective: kl}}\n")
+    res = runner.invoke(app, ["run", str(recipe), "--check"])
+    assert res.exit_code == 2 and "r.yaml:3" in res.stderr and "taylor" in res.stderr, res.output

@@ -136,6 +136,15 @@ def _check_streaming(request) -> None:
                       "when a model is built: --streaming copies tensors file to file on the CPU")
 
 
+def _check_method_pair(request) -> None:
+    """A scoring method that cannot estimate an explicit --objective (taylor with kl), refused before the
+    model loads (it was found after loading, and in a recipe after the steps before it)."""
+    if request.objective != "auto":
+        from ..measure.scoring import check_method
+
+        check_method(request.method, request.objective)
+
+
 def _check_with_anchor(request) -> None:
     """The declared checks of a request with an --anchor, and the anchor parsed."""
     from ..optionspec import check
@@ -187,6 +196,7 @@ class ScoreRequest:
         if self.method not in SCORE_METHODS:
             raise UsageError(f"unknown --method {self.method!r}; use one of {', '.join(SCORE_METHODS)}")
         check(self)
+        _check_method_pair(self)
         if (self.fraction is not None or self.iterative_fraction is not None) and not self.iterative:
             raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final "
                              "fraction)")
@@ -313,6 +323,8 @@ class PruneRequest:
         _check_with_anchor(self)
         from ..errors import UsageError
 
+        if self.scores is None and self.heads is None:
+            _check_method_pair(self)  # (it scores now)
         if self.scores is not None and self.heads is not None:  # (the listed heads were removed, the scores unread)
             raise UsageError("give either --scores or --heads, not both")
         if not self.compensate:
