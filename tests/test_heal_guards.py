@@ -121,3 +121,25 @@ def test_teacher_other_than_the_recorded_source_is_warned_and_recorded(models, t
     res = runner.invoke(app, ["heal", str(tmp_path / "o2"), "--teacher", str(models.teacher), "--data",
                               str(models.text), *SMALL, "-o", str(tmp_path / "o3")])
     assert res.exit_code == 0 and "warning" not in res.stderr, res.output
+
+
+def test_a_chain_typed_with_relative_paths_is_followed_from_any_folder(models, tmp_path, monkeypatch):
+    """headtool.json records the folder a relative MODEL resolved to as an absolute path: a prune ->
+    convert-gqa chain typed as `student`, `merged` stays traceable to its teacher from another folder
+    (the recorded `student` named nothing there, so the original teacher was warned as a stranger)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    res = runner.invoke(app, ["prune", str(models.teacher), "--heads", "0:0,1", "-o", "student"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["convert-gqa", "student", "--kv-heads", "1", "--merge", "mean", "-o", "merged"])
+    assert res.exit_code == 0, res.output
+    source = json.loads((work / "merged" / "headtool.json").read_text())["source"]
+    assert (source["ref"], source["path"]) == ("student", str(work / "student"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    res = runner.invoke(app, ["heal", str(work / "merged"), "--teacher", str(models.teacher), "--data",
+                              str(models.text), *SMALL, "-o", str(tmp_path / "healed")])
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.stderr, res.stderr

@@ -135,7 +135,8 @@ def resolve_ref(ref: str) -> tuple[str, str]:
             raise UsageError(f"{ref}: not a model; give a model folder (with config.json) or a .gguf file")
         if not (path / "config.json").exists():
             raise UsageError(f"{ref}: not a model folder (no config.json inside)")
-        return str(path), "folder"
+        # absolute: outputs record it as their source, and a later heal follows it from any folder
+        return os.path.abspath(path), "folder"
     if _looks_like_path(ref):
         raise UsageError(f"model not found: {ref} (no such file or folder)")
     return ref, "hub"
