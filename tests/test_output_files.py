@@ -198,3 +198,36 @@ def test_bracketed_text_in_option_help_is_shown_not_read_as_markup():
         assert shown in text, shown
     for command in ("score", "prune", "convert-gqa", "convert-mla", "eval", "inspect", "heal", "run"):
         assert "\\[" not in runner.invoke(app, [command, "--help"], env={"COLUMNS": "220"}).stdout, command
+
+
+@pytest.fixture
+def gguf_in_a_model_folder(tmp_path, monkeypatch):
+    """A .gguf file inside the user's model folder (where llama.cpp's converter writes it by default),
+    read as a tiny llama: transformers' GGUF loading stands in for the real file (the cache is the test's)."""
+    import transformers
+
+    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))
+    tiny = save_tiny("llama", tmp_path / "tiny")
+    owner = save_tiny("llama", tmp_path / "owner")
+    (owner / "owner-F16.gguf").write_bytes(b"GGUF stands in for weights")
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        load = cls.from_pretrained
+
+        def from_pretrained(folder, *args, gguf_file=None, _load=load, **kwargs):
+            return _load(tiny if gguf_file else folder, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", from_pretrained)
+    return owner
+
+
+@pytest.mark.parametrize("command", [["prune", "--heads", "0:0,1"], ["prune", "--heads", "0:0,1", "--streaming"],
+                                     ["convert-gqa", "--kv-heads", "1", "--merge", "mean"]])
+def test_an_output_never_replaces_the_folder_that_holds_an_input_gguf(gguf_in_a_model_folder, command):
+    """-o over the folder that holds the .gguf MODEL (with --overwrite) is refused: replacing it would
+    delete the input, whose converted copy in the cache was all the check protected."""
+    owner = gguf_in_a_model_folder
+    before = _tree(owner)
+    r = runner.invoke(app, [command[0], str(owner / "owner-F16.gguf"), *command[1:], "-o", str(owner),
+                            "--overwrite"])
+    assert r.exit_code == 2 and "would delete the input" in r.stderr, r.output
+    assert _tree(owner) == before

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import tempfile
@@ -22,6 +23,20 @@ from ..errors import UsageError
 
 def _resolved(path: str | os.PathLike) -> Path:
     return Path(os.path.expanduser(str(path))).resolve()
+
+
+#: the file in a folder that headtool converted from another format (a .gguf dequantized into the cache)
+#: that names the file it was made from: {"gguf": resolved path}
+CONVERTED_FROM = "headtool_source.json"
+
+
+def converted_from(folder: Path | None) -> Path | None:
+    """The input file a converted folder was made from (a .gguf MODEL), None for any other folder."""
+    try:
+        named = json.loads((folder / CONVERTED_FROM).read_text()).get("gguf") if folder is not None else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(named).resolve() if isinstance(named, str) else None
 
 
 def inside(child: Path, parent: Path) -> bool:

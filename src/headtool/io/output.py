@@ -24,7 +24,7 @@ from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
-from .files import inside, open_up, probe_writable
+from .files import converted_from, inside, open_up, probe_writable
 from .provenance import RECORD, card_lines
 from .sizes import parse_size
 
@@ -62,6 +62,9 @@ def check_output_target(out: str | os.PathLike, source_path: str | os.PathLike |
             raise UsageError(f"-o {out}: the folder already exists; pass --overwrite to replace it")
         if src is not None and inside(src, target):
             raise UsageError(f"-o {out}: replacing it would delete the input model folder {src}")
+        origin = converted_from(src)  # a .gguf MODEL: its copy in the cache is `src`, the user's file is here
+        if origin is not None and inside(origin, target):
+            raise UsageError(f"-o {out}: replacing it would delete the input model {origin}")
         if any(target.iterdir()) and not ((target / "config.json").exists() or (target / "headtool.json").exists()):
             raise UsageError(f"-o {out}: --overwrite replaces model folders only, and this non-empty folder "
                              "holds no model (no config.json); choose another folder")

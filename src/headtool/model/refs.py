@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..io.files import CONVERTED_FROM
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "headtool_source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
+        (tmp / CONVERTED_FROM).write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
         try:
             os.replace(tmp, target)
         except OSError:  # another process converted it meanwhile
