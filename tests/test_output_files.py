@@ -231,3 +231,19 @@ def test_an_output_never_replaces_the_folder_that_holds_an_input_gguf(gguf_in_a_
                             "--overwrite"])
     assert r.exit_code == 2 and "would delete the input" in r.stderr, r.output
     assert _tree(owner) == before
+
+
+def test_a_gguf_is_converted_without_tqdm_bars_and_says_so_once(gguf_in_a_model_folder):
+    """The first use of a .gguf converts it into the cache: one line says so, and transformers' progress
+    bars (dequantizing, loading, writing shards) stay off stderr, as for every other load and write."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # as in a fresh process (an earlier load in this one turned them off)
+    gguf = str(gguf_in_a_model_folder / "owner-F16.gguf")
+    first = runner.invoke(app, ["info", gguf, "--json"])
+    assert first.exit_code == 0, first.output
+    assert "it/s" not in first.stderr and "%|" not in first.stderr, first.stderr
+    assert "converting" in first.stderr and "once" in first.stderr, first.stderr
+    again = runner.invoke(app, ["info", gguf, "--json"])
+    assert again.exit_code == 0 and "converting" not in again.stderr, again.output
+    assert json.loads(again.stdout)["path"] == json.loads(first.stdout)["path"]

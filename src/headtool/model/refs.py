@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..console import info
 from ..errors import UsageError
 from ..io.files import CONVERTED_FROM
 
@@ -90,6 +91,7 @@ def convert_gguf(gguf_path: Path) -> Path:
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; no tqdm bars
     try:
         qmodel = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -97,6 +99,8 @@ def convert_gguf(gguf_path: Path) -> Path:
         raise UsageError(f"cannot read GGUF file {gguf_path}: {e}".splitlines()[0]) from e
     finally:
         hf_logging.set_verbosity(verbosity)
+    # after the read, so that a file that is no GGUF stays one line of error
+    info(f"converting {gguf_path} once into {target} (dequantized; later runs read the copy)")
     cfg_dict = qmodel.config.to_dict()
     cfg_dict.pop("quantization_config", None)
     cfg_dict.pop("_name_or_path", None)
