@@ -42,6 +42,9 @@ def test_inspect_json_contract(llama, text_file):
                 "causal", "elapsed_s", "headtool_version"):
         assert key in doc
     assert doc["model"]["num_heads"] == 4 and doc["model"]["fingerprint"].startswith("sha256:")
+    # the model as typed beside the folder it resolved to, as score's document names it (a .gguf or
+    # packaged model resolves to a converted copy in the cache, whose name says nothing)
+    assert (doc["model"]["ref"], doc["model"]["path"]) == (str(llama), str(llama))
     assert doc["data"]["samples"] == 2 and doc["data"]["seq_len"] == 24
     for name, rows in doc["statistics"].items():
         assert len(rows) == 3 and all(len(r) == 4 for r in rows), name

@@ -69,7 +69,7 @@ def run_inspect(req: InspectRequest) -> InspectRun:
     stats = inspect_heads(lm.model, lm.adapter, batches.batches, top=req.top, label=f"inspect {req.model}")
     doc: dict[str, Any] = {
         "format": FORMAT,
-        "model": {**model_info(lm.model, lm.adapter), "path": lm.path, "fingerprint": lm.fingerprint},
+        "model": {**model_info(lm.model, lm.adapter), "path": lm.path, "ref": lm.ref, "fingerprint": lm.fingerprint},
         "data": batches.info,
         "attn_implementation": "eager",
         **stats,
