@@ -99,6 +99,7 @@ def test_info_reports_the_right_numbers(family, tmp_path):
     res = runner.invoke(app, ["info", str(folder), "--json"])
     assert res.exit_code == 0, res.output
     info = json.loads(res.stdout)
+    assert info["ref"] == str(folder)  # the model as typed, beside the resolved path
     assert info["family"] == adapter_for(tiny_model(family).config).family
     assert info["num_layers"] == 3
     assert info["num_heads"] == 4
@@ -297,3 +298,14 @@ def test_fingerprint_of_a_large_tensor_samples_in_range():
 
     t = torch.zeros(28_311_552 // 64, 64)
     assert len(tensor_sample(t)) == 256 * 2
+
+
+def test_a_cache_location_that_is_a_file_is_one_line(tmp_path):
+    """It exited 1 with a bare 'Not a directory' naming neither the cache nor HEADTOOL_CACHE."""
+    folder = save_tiny("llama", tmp_path / "m")
+    blocker = tmp_path / "cachefile"
+    blocker.write_text("not a folder")
+    res = runner.invoke(app, ["eval", str(folder), "--data", "self:2", "--seq-len", "8"],
+                        env={"HEADTOOL_CACHE": str(blocker)})
+    assert res.exit_code == 2 and "HEADTOOL_CACHE" in res.stderr and "internal error" not in res.stderr, res.output
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -40,10 +40,13 @@ PACKAGED: dict[str, PackagedModel] = {
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("HEADTOOL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "headtool"
-    )
-    return Path(root)
+    """headtool's cache folder: $HEADTOOL_CACHE, else headtool under $XDG_CACHE_HOME or ~/.cache."""
+    named = os.environ.get("HEADTOOL_CACHE")
+    root = Path(named or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "headtool"))
+    if root.exists() and not root.is_dir():  # it failed later with a bare 'Not a directory'
+        raise UsageError(f"the cache folder {root} is a file, not a folder: "
+                         + ("point HEADTOOL_CACHE at a folder" if named else "set HEADTOOL_CACHE to a folder"))
+    return root
 
 
 def _looks_like_path(ref: str) -> bool:

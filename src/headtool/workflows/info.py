@@ -16,6 +16,7 @@ class InfoRequest:
 
 
 def run_info(req: InfoRequest) -> dict[str, Any]:
-    """The `info --json` figures (model_info plus the resolved local path)."""
+    """The `info --json` figures: model_info, the resolved local path and the model as typed (for a
+    packaged model or a .gguf the path is a converted copy in the cache)."""
     lm = load_model(req.model, **req.load.kwargs())
-    return {**model_info(lm.model, lm.adapter), "path": lm.path}
+    return {**model_info(lm.model, lm.adapter), "path": lm.path, "ref": lm.ref}
