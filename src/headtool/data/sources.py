@@ -602,8 +602,6 @@ def builtin_version(source: str) -> str:
     return f"{len(texts)} licence texts of the installed packages (sha256 {digest}), {python}"
 
 
-
-
 def _local_path(source: Any) -> Path | None:
     """The file or folder a --data source reads, when it reads one (as `_open_table` decides)."""
     if not isinstance(source, str) or not source.strip() or source == "-" or source.startswith("builtin:"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch

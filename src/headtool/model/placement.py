@@ -2,6 +2,7 @@
 recipes' top-level keys. Kept free of torch so that `headtool --help` starts fast."""
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -67,13 +68,9 @@ def input_device(model) -> "torch.device":
     hook = getattr(embedding, "_hf_hook", None)
     if getattr(hook, "execution_device", None) is not None:
         return torch.device(hook.execution_device)
-    for p in (embedding or model).parameters():
-        if p.device.type != "meta":
-            return p.device
-    for p in model.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return torch.device("cpu")
+    first = embedding.parameters() if embedding is not None else ()  # the embedding's first, then any
+    return next((p.device for p in itertools.chain(first, model.parameters()) if p.device.type != "meta"),
+                torch.device("cpu"))
 
 
 def readable_weights(model) -> dict[str, "torch.Tensor"]:
