@@ -178,6 +178,9 @@ def test_options_read_in_some_combinations_stay_accepted_there():
     assert set(MERGE_METHODS) - {"mean"} == set(DATA_METHODS)
     with pytest.raises(UsageError, match="--damping only applies to the output-projection refit"):
         ConvertRequest("m", 1, merge="aligned", damping=0.1).validate()
+    with pytest.raises(UsageError, match="--heldout-samples only applies to a conversion that calibrates: --merge "
+                                         "mean with contiguous grouping reads no data"):
+        ConvertRequest("m", 1, merge="mean", heldout_samples=2).validate()
 
 
 def test_a_prune_step_with_scores_and_heads_is_refused_as_on_the_command_line(tmp_path):

@@ -54,7 +54,9 @@ from .recipe_schema import (
     step_options,
     validate,
 )
+from .requests import reads_no_data
 from .score import score_loaded
+
 
 @dataclasses.dataclass
 class Context:
@@ -355,9 +357,8 @@ def request_problems(recipe: Recipe) -> list[str]:
             continue
         if step["step"] == "convert_gqa" and "data" in step and not req.reads_data:
             # as `headtool convert-gqa` refuses its data options here (the recipe's own data block is shared)
-            problems.append(f"{recipe.where(f'steps.{i}.data')}: steps.{i}.data: merge mean with contiguous "
-                            "grouping reads no data (add a data merge, grouping: similarity or refit: true, or "
-                            "leave the step's data block out)")
+            why = reads_no_data(recipe=True, remedy="leave the step's data block out")
+            problems.append(f"{recipe.where(f'steps.{i}.data')}: steps.{i}.data: {why}")
     return problems
 
 

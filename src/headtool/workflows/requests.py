@@ -402,10 +402,22 @@ class ConvertRequest:
             refuse_unused(given(self, ("damping", "anchor")), f"to the output-projection refit, which {why}")
         if not self.reads_data:
             refuse_unused(given(self, ("heldout_samples", "heldout_data")),
-                           "to a conversion that calibrates: --merge mean with contiguous groups and no --refit "
-                           "reads no data")
+                           f"to a conversion that calibrates: {reads_no_data(recipe=False)}")
         _check_eval_samples(self)
         _check_streaming(self)
+
+
+def reads_no_data(*, recipe: bool, remedy: str | None = None) -> str:
+    """Why a conversion with --merge mean, contiguous groups and no refit takes no data options, in the
+    words of the CLI's flags or of a recipe step's keys (one wording for every place that refuses them);
+    `remedy` ends it with what to do instead."""
+    if recipe:
+        why = "merge mean with contiguous grouping reads no data"
+        fix = "a data merge, grouping: similarity or refit: true"
+    else:
+        why = "--merge mean with contiguous grouping reads no data"
+        fix = "a data merge, --grouping similarity or --refit"
+    return f"{why} (add {fix}, or {remedy})" if remedy else why
 
 
 def parse_budget(value: float | int | str) -> float:

@@ -8,7 +8,7 @@ import typer
 from ...console import err_console, info, print_json
 from ...data.sources import AUTO_SOURCE
 from ...io.provenance import IN_DOMAIN_NOTE
-from ...workflows.requests import ConvertRequest, calibration_data
+from ...workflows.requests import ConvertRequest, calibration_data, reads_no_data
 from ...errors import UsageError
 from ..options import (JsonOpt, LoadOptions, command_options, data_option_names, data_options, given_options,
                        model_options)
@@ -86,8 +86,7 @@ def convert_gqa_cmd(ctx: typer.Context, json_out: JsonOpt = False, fields=None, 
 
     req = ConvertRequest(**fields, data=data_spec or calibration_data(), load=load)
     if not req.reads_data and (given := given_options(ctx, data_option_names())):
-        raise UsageError(f"{', '.join(given)}: --merge mean with contiguous grouping reads no data (add a data "
-                         "merge, --grouping similarity or --refit, or leave the data options out)")
+        raise UsageError(f"{', '.join(given)}: {reads_no_data(recipe=False, remedy='leave the data options out')}")
     run = run_convert_gqa(req)
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
