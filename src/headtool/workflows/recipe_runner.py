@@ -209,7 +209,8 @@ def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
     ctx.lm.model = done.conv.model
     s = done.summary
     ctx.meta.update({k: done.meta[k] for k in ("kv_rank", "rope_dim", "rope_slots")})
-    out: dict[str, Any] = {"kv_rank": s["kv_rank"], "rope_dim": s["rope_dim"], "kv_cache": req.kv_cache,
+    # kv_rank and rope_dim come with every row from the model as it stands (summary_row), in one form
+    out: dict[str, Any] = {"kv_cache": req.kv_cache,
                            "rank_allocation": req.rank_allocation, "data": s["calibration_data"].get("source"),
                            "calibration_blocks": s["calibration_data"]["samples"]}
     if s["heldout_data"]:
