@@ -143,3 +143,37 @@ def test_a_chain_typed_with_relative_paths_is_followed_from_any_folder(models, t
                               str(models.text), *SMALL, "-o", str(tmp_path / "healed")])
     assert res.exit_code == 0, res.output
     assert "warning" not in res.stderr, res.stderr
+
+
+# --------------------------------------------------------------------------- held-out data
+
+
+def test_eval_data_that_is_the_training_source_is_held_out_from_training(models, tmp_path):
+    """`--eval-data` naming --data itself evaluated (and chose the kept weights) on the very blocks
+    training read: its blocks start after them, as for a source of a mixture; uncapped, it is refused."""
+    res = runner.invoke(app, ["heal", str(models.student), "--teacher", str(models.teacher), "--data",
+                              str(models.text), "--eval-data", str(models.text), *SMALL, "-o", str(tmp_path / "o"),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    train, held = doc["data"], doc["eval_data"]
+    assert held["source"] == train["source"] and train["skip_samples"] == 0
+    assert held["skip_samples"] == train["samples"] == 2  # 1 step of 2 blocks, then the 2 held-out blocks
+    res = runner.invoke(app, ["heal", str(models.student), "--teacher", str(models.teacher), "--data",
+                              str(models.text), "--eval-data", str(models.text), *SMALL[:-2], "-o", str(tmp_path / "o2")])
+    line = _one_line_error(res)
+    assert "same source" in line and "--max-steps" in line, line
+    assert not (tmp_path / "o2").exists()
+
+
+def test_a_recipe_eval_block_of_the_training_source_is_held_out_from_training():
+    """The recipe's form (a data block: the recipe's source unless it names one) is cut the same way."""
+    from headtool.data.sources import DataSpec
+    from headtool.distributed import World
+    from headtool.train.options import HealOptions
+    from headtool.workflows.heal import _data_specs
+
+    data = DataSpec(source="notes.txt", seq_len=16, batch_size=2)
+    train, held = _data_specs(data, DataSpec(source="notes.txt", seq_len=16), 4, HealOptions(max_steps=3), World())
+    assert (train.skip_samples, train.max_samples) == (0, 6)
+    assert (held.skip_samples, held.max_samples) == (6, 4)

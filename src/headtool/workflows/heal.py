@@ -21,7 +21,7 @@ from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
 from ..model.refs import resolve_ref
 from ..train.healing import STATE_FILE, HealOptions, heal_model, memory_figures, state_folder
-from .data_plan import part_blocks
+from .data_plan import part_blocks, same_source_name
 from .requests import HealRequest
 
 
@@ -41,8 +41,10 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
             held = replace(held, max_samples=eval_samples)
         train = data
     elif eval_data:
-        held = replace(data, source=eval_data, split=None, text_column=None, label_column=None,
-                       max_samples=eval_samples, num_tokens=None, skip_samples=0)
+        held = replace(data, source=eval_data, label_column=None, max_samples=eval_samples, num_tokens=None,
+                       skip_samples=0)
+        if not same_source_name(eval_data, data.source):  # another source: its own split and columns
+            held = replace(held, split=None, text_column=None)
         train = data
     else:
         held = replace(data, max_samples=eval_samples, num_tokens=None)
@@ -50,13 +52,16 @@ def _data_specs(data, eval_data, eval_samples: int, opts: HealOptions, world: Wo
     if opts.max_steps and train.max_samples is None and train.num_tokens is None:
         # tokenize no more than the run reads (the same blocks either way: selection is prefix-stable)
         train = replace(train, max_samples=opts.max_steps * opts.grad_accum * world.size * train.batch_size)
-    if eval_data and held.skip_samples == 0 and part_blocks(data, held.source, 0) is not None:
-        # a source of the training mixture: evaluate on its blocks after the ones training reads
+    same = same_source_name(held.source, data.source) and held.split == data.split
+    if eval_data and held.skip_samples == 0 and (same or part_blocks(data, held.source, 0) is not None):
+        # --data itself or a source of its mixture: evaluate on its blocks after the ones training reads
         caps = [c for c in (train.max_samples, train.num_tokens and train.num_tokens // train.seq_len) if c]
         if not caps:
-            raise UsageError(f"--eval-data {held.source} is a source of --data {data.source}: give --max-steps "
+            what = "the same source as" if same else "a source of"
+            raise UsageError(f"--eval-data {held.source} is {what} --data {data.source}: give --max-steps "
                              "or --max-samples so the evaluation blocks can be held out from training")
-        held = replace(held, skip_samples=part_blocks(data, held.source, train.skip_samples + min(caps)))
+        read = train.skip_samples + min(caps)
+        held = replace(held, skip_samples=read if same else part_blocks(data, held.source, read))
     return train, held
 
 
