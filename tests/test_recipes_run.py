@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,12 @@ def test_recipe_with_a_heal_step(tiny_folders, tmp_path):
     assert [s["step"] for s in steps] == ["load", "prune", "heal", "eval"]
     assert steps[2]["steps"] == 4 and steps[1]["heads"] == 8
     assert (tmp_path / "out" / "headtool.json").exists()
+    # the heal row carries its held-out figures before and after (it named keys the result never had)
+    heal = steps[2]
+    assert heal["distill_after"] <= heal["distill_before"]  # the kept weights are never worse held-out
+    assert heal["perplexity"] == pytest.approx(math.exp(heal["loss_after"]))
+    assert heal["perplexity_before"] == pytest.approx(math.exp(heal["loss_before"]))
+    assert "loss before" in res.stderr and f"{heal['loss_before']:.4f}" in res.stderr
 
 
 def test_convert_step_records_how_close_the_merges_were(tiny_folders, tmp_path):

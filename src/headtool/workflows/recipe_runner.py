@@ -269,8 +269,16 @@ def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     res = heal_loaded(ctx.lm, ctx.text_model, req)
     doc = res.to_json()
-    return {**{k: doc[k] for k in ("steps", "eval_before", "eval_after") if k in doc},
-            "data": doc.get("data_source", req.data.source)}
+    out: dict[str, Any] = {"steps": doc["steps"], "best_step": doc["best_step"],
+                           "data": doc.get("data_source", req.data.source)}
+    # the held-out figures before and after (the step's kept weights), as heal's own summary shows them
+    for when, e in (("before", doc.get("before")), ("after", doc.get("after"))):
+        if e:
+            out[f"distill_{when}"] = e["distill"]
+            if "loss" in e:
+                out[f"loss_{when}"] = e["loss"]
+                out["perplexity_before" if when == "before" else "perplexity"] = e["perplexity"]
+    return out
 
 
 STEPS = {"score": step_score, "prune": step_prune, "convert_gqa": step_convert, "convert_mla": step_convert_mla,
