@@ -447,3 +447,21 @@ def test_heal_matching_every_layer_trains_and_records_the_choice(pair, text, tmp
     recorded = json.loads((tmp_path / "out" / "headtool.json").read_text())
     assert recorded["options"]["hidden_layers"] == "all" and recorded["options"]["hidden_weight"] == 1.0
     assert "hidden" in recorded["after"]
+
+
+def test_gradient_checkpointing_is_quiet_and_changes_no_weight(pair, text, tmp_path):
+    """--gradient-checkpointing recomputes activations: the same weights as without it, and no
+    transformers FutureWarning (with its source path) on stderr about the deprecated method name."""
+    import warnings
+
+    teacher, student = pair
+    kw = dict(data=_spec(text), eval_samples=4, load=LoadOptions(dtype="float32", device="cpu"))
+    heal_checkpoint(str(student), str(teacher), tmp_path / "plain", opts=HealOptions(max_steps=3, lr=3e-3, seed=3), **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        heal_checkpoint(str(student), str(teacher), tmp_path / "gc",
+                        opts=HealOptions(max_steps=3, lr=3e-3, seed=3, gradient_checkpointing=True), **kw)
+    assert not [w for w in caught if "checkpointing" in str(w.message)], [str(w.message) for w in caught]
+    a, b = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "gc")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)

@@ -366,6 +366,20 @@ def _batch_index(k: int, n: int, seed: int, cache: dict[int, torch.Tensor]) -> i
     return int(cache[epoch][k % n])
 
 
+def _checkpointing(model: nn.Module, on: bool) -> None:
+    """Activation checkpointing on or off: transformers' own name for it where it has one (its older
+    `gradient_checkpointing_*` aliases print a FutureWarning with a source path on stderr)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def plan_steps(opts: HealOptions, num_batches: int, world: World) -> int:
     """Optimizer steps of the run: --max-steps, else one pass over the training batches."""
     if opts.max_steps:
@@ -421,7 +435,7 @@ def heal_model(
     if opts.gradient_checkpointing:
         if not getattr(student, "supports_gradient_checkpointing", False):
             raise UsageError("--gradient-checkpointing: this model does not support it")
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpointing(student, True)
     use_cache = {id(m): m.config.use_cache for m in (student, teacher) if hasattr(m.config, "use_cache")}
     for m in (student, teacher):  # no KV cache while training (and no warning about it)
         if id(m) in use_cache:
@@ -571,7 +585,7 @@ def heal_model(
                                       f"{state_dir}: rerun the same command with --resume to continue")
     student.eval()
     if opts.gradient_checkpointing:
-        student.gradient_checkpointing_disable()
+        _checkpointing(student, False)
     final_step_weights = True
     if world.main and opts.keep_best and best.get("weights") is not None and best["step"] != step:
         with torch.no_grad():
