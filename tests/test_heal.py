@@ -465,3 +465,28 @@ def test_gradient_checkpointing_is_quiet_and_changes_no_weight(pair, text, tmp_p
     a, b = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "gc")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_bfloat16_student_reports_the_figures_of_the_weights_it_writes(pair, text, tmp_path):
+    """A bfloat16 student trains in float32 and is written in bfloat16: the figures after the heal
+    (table, JSON, headtool.json, card) are those of the rounded weights on disk, which `headtool eval
+    --dtype float32` measures on the same blocks; they were the float32 weights' that nothing holds."""
+    from headtool.data.batches import make_batches
+    from headtool.measure.evaluation import evaluate
+
+    teacher, student = pair
+    bf = tmp_path / "student-bf16"
+    m = load_model(str(student), dtype="float32", device="cpu").model
+    m.to(torch.bfloat16).save_pretrained(bf)
+    tokenizer_for("llama").save_pretrained(bf)
+    doc = _heal(bf, teacher, tmp_path / "out", text, "--max-steps", "6", "--lr", "3e-2", "--keep-last")
+    assert doc["after"]["weights_dtype"] == "bfloat16" and doc["after_unrounded"]["step"] == 6
+    healed = load_model(str(tmp_path / "out"), dtype="float32", device="cpu")
+    assert next(load_model(str(tmp_path / "out"), device="cpu").model.parameters()).dtype == torch.bfloat16
+    held = make_batches(DataSpec(source=str(text), seq_len=16, batch_size=2, max_samples=4), healed.tokenizer, "lm")
+    assert held.info["fingerprint"] == doc["eval_data"]["fingerprint"]
+    measured = evaluate(healed.model, held.batches, "lm")
+    assert doc["after"]["loss"] == pytest.approx(measured["loss"], rel=1e-6, abs=1e-6)
+    assert json.loads((tmp_path / "out" / "headtool.json").read_text())["after"]["loss"] == doc["after"]["loss"]
+    before = evaluate(load_model(str(bf), dtype="float32", device="cpu").model, held.batches, "lm")
+    assert doc["before"]["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-6)

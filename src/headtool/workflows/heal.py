@@ -20,7 +20,15 @@ from ..measure.evaluation import tokenizers_agree
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
 from ..model.refs import resolve_ref
-from ..train.healing import STATE_FILE, HealOptions, heal_model, memory_figures, state_folder
+from ..train.healing import (
+    STATE_FILE,
+    HealOptions,
+    evaluate_heal,
+    heal_model,
+    memory_figures,
+    state_folder,
+    use_bf16,
+)
 from .data_plan import part_blocks, same_source_name
 from .requests import HealRequest
 
@@ -146,6 +154,17 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     result = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
                         objective=objective, state_dir=state_dir, resume=req.resume, identity=identity,
                         callback=callback, world=world)
+    if world.main and out_dtype != torch.float32 and held.batches:
+        # the weights trained in float32 are written in the student's dtype: the figures after the heal
+        # are those of the rounded weights that OUTPUT holds (what `headtool eval` of it measures)
+        unrounded = result.to_json()["after"]
+        with torch.no_grad():  # the parameters only: buffers (RoPE frequencies) stay float32, as on loading
+            for p in student.model.parameters():
+                p.copy_(p.to(out_dtype))
+        rounded = evaluate_heal(student.model, teacher.model, held.batches, req.opts, objective,
+                                bf16=use_bf16(req.opts, next(student.model.parameters()).device))
+        result.extra["after"] = {"step": result.best_step, **rounded, "weights_dtype": _dtype_name(out_dtype)}
+        result.extra["after_unrounded"] = unrounded
     doc: dict[str, Any] = {
         "format": "headtool.heal/1",
         "student": {"ref": req.student, "path": student.path, "fingerprint": student.fingerprint,
