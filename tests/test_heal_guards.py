@@ -177,3 +177,20 @@ def test_a_recipe_eval_block_of_the_training_source_is_held_out_from_training():
     train, held = _data_specs(data, DataSpec(source="notes.txt", seq_len=16), 4, HealOptions(max_steps=3), World())
     assert (train.skip_samples, train.max_samples) == (0, 6)
     assert (held.skip_samples, held.max_samples) == (6, 4)
+
+
+# --------------------------------------------------------------------------- student and teacher
+
+
+def test_a_student_that_is_the_teacher_is_refused(models, tmp_path):
+    """heal MODEL --teacher MODEL (a slip for the original) trained from a zero loss, on noise that
+    AdamW scales to full steps, then wrote a copy: refused, unless --lm-weight gives it something to
+    learn (distillation towards itself is then a regularizer)."""
+    res = runner.invoke(app, ["heal", str(models.teacher), "--teacher", str(models.teacher), "--data",
+                              str(models.text), *SMALL, "-o", str(tmp_path / "o")])
+    line = _one_line_error(res)
+    assert "same model" in line, line
+    assert list(tmp_path.iterdir()) == []
+    res = runner.invoke(app, ["heal", str(models.teacher), "--teacher", str(models.teacher), "--data",
+                              str(models.text), *SMALL, "--lm-weight", "1", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output

@@ -137,6 +137,10 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     if (student.task == "base") != (teacher.task == "base"):
         raise UsageError(f"the student is {student.task!r} and the teacher {teacher.task!r}: heal needs both with "
                          "the same head (or both headless)")
+    if student.fingerprint == teacher.fingerprint and not req.opts.lm_weight:
+        raise UsageError(f"{req.student} and --teacher {req.teacher} are the same model (the same weights): the "
+                         "distillation loss is 0 already, so there is nothing to heal; the teacher is the original "
+                         "the student was pruned or converted from")
     objective = OBJECTIVE_OF_TASK.get(student.task)
     same_source = teacher_is_recorded_source(student.path, teacher.fingerprint)
     if same_source is False and world.main:
