@@ -597,6 +597,9 @@ def heal_model(
         if id(m) in use_cache:
             m.config.use_cache = use_cache[id(m)]
     best_step = best["step"] if best.get("step") is not None else step
+    if best_step == 0 and step > 0 and world.main:
+        warn(f"no held-out evaluation of the {step} steps beat the student as it came (step 0): the weights kept "
+             "are the student's own, unchanged; try a lower --lr, more steps or more data (or --keep-last)")
     return HealResult(steps=step, total_steps=total, tokens=tokens,
                       elapsed_s=elapsed0 + time.perf_counter() - t0, losses=losses,
                       distill_losses=distill_losses, evals=evals, best_step=best_step,
