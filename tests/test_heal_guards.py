@@ -206,3 +206,16 @@ def test_a_heal_that_keeps_the_student_unchanged_says_so(models, tmp_path):
     assert res.stderr.count("warning") == 1 and "unchanged" in " ".join(res.stderr.split()), res.stderr
     res = _heal(models, tmp_path / "o2", "--lr", "0.5", "--keep-last")
     assert res.exit_code == 0 and "warning" not in res.stderr, res.output
+
+
+def test_text_too_short_for_the_held_out_blocks_names_eval_samples(models, tmp_path):
+    """A file of fewer blocks than --eval-samples (16 by default) was refused as '--skip-samples 16
+    leaves no data ... lower --skip-samples', an option the user never gave: the line names the
+    held-out blocks and what to change."""
+    short = tmp_path / "short.txt"
+    short.write_text(models.text.read_text()[:200])
+    res = runner.invoke(app, ["heal", str(models.student), "--teacher", str(models.teacher), "--data", str(short),
+                              "--seq-len", "16", "-o", str(tmp_path / "o")])
+    line = _one_line_error(res)
+    assert "--eval-samples" in line and "--skip-samples" not in line, line
+    assert not (tmp_path / "o").exists()

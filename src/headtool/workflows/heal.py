@@ -79,8 +79,16 @@ def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, worl
     data_task = DATA_TASK_OF_TASK.get(task, "plain")
     data = resolve_auto(req.data, tokenizer, teacher, data_task)
     train_spec, held_spec = _data_specs(data, req.eval_data, req.eval_samples, req.opts, world or World())
-    return (make_batches(train_spec, tokenizer, data_task, model=teacher),
-            make_batches(held_spec, tokenizer, data_task, model=teacher))
+    held = make_batches(held_spec, tokenizer, data_task, model=teacher)
+    available = held.info.get("available_samples")
+    if req.eval_data is None and held.info.get("corpus_fully_read") and available is not None \
+            and available <= train_spec.skip_samples:
+        # training skips the held-out blocks: make_batches would blame a --skip-samples nobody gave
+        skipped = f" after --skip-samples {data.skip_samples}" if data.skip_samples else ""
+        raise UsageError(f"--data {data.source} gives {available} blocks of {data.seq_len} tokens, and the "
+                         f"{req.eval_samples} held-out ones (--eval-samples){skipped} leave none to train on: "
+                         "give more text, a lower --eval-samples or --seq-len, or held-out text with --eval-data")
+    return make_batches(train_spec, tokenizer, data_task, model=teacher), held
 
 
 def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
