@@ -490,3 +490,22 @@ def test_a_bfloat16_student_reports_the_figures_of_the_weights_it_writes(pair, t
     assert json.loads((tmp_path / "out" / "headtool.json").read_text())["after"]["loss"] == doc["after"]["loss"]
     before = evaluate(load_model(str(bf), dtype="float32", device="cpu").model, held.batches, "lm")
     assert doc["before"]["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-6)
+
+
+def test_held_out_mlm_figures_are_what_eval_measures(text, tmp_path):
+    """A masked LM's held-out loss weighed each batch by its tokens, not by its masked positions:
+    with a last batch of one block (as many masked positions as a whole batch here), its perplexity
+    was not `headtool eval`'s on the same blocks."""
+    from headtool.data.batches import make_batches
+    from headtool.measure.evaluation import evaluate
+
+    teacher = save_tiny("bert", tmp_path / "t")
+    damaged(tiny_model("bert")).save_pretrained(tmp_path / "s")
+    tokenizer_for("bert").save_pretrained(tmp_path / "s")
+    doc = _heal(tmp_path / "s", teacher, tmp_path / "o", text, "--max-steps", "2", "--eval-samples", "7")
+    student = load_model(str(tmp_path / "s"), dtype="float32", device="cpu")
+    held = make_batches(DataSpec(source=str(text), seq_len=16, batch_size=2, max_samples=7), student.tokenizer, "mlm")
+    assert held.info["fingerprint"] == doc["eval_data"]["fingerprint"]
+    masked = [int((b["labels"] != -100).sum()) for b in held.batches]
+    assert masked[-1] / 16 != sum(masked[:-1]) / 96  # not in proportion to the tokens
+    assert doc["before"]["loss"] == pytest.approx(evaluate(student.model, held.batches, "mlm")["loss"], rel=1e-6)

@@ -167,7 +167,8 @@ def _mean(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def distill_terms(s: tuple, t: tuple, batch: dict, opts: HealOptions, objective: str | None) -> dict[str, torch.Tensor]:
-    """The loss terms of one batch: 'distill' (KL or hidden match), 'lm', 'hidden', and 'total'."""
+    """The loss terms of one batch: 'distill' (KL or hidden match), 'lm' (with 'lm_tokens', the
+    positions it averages), 'hidden', and 'total'."""
     (s_logits, s_hidden), (t_logits, t_hidden) = s, t
     mask = batch.get("attention_mask")
     terms: dict[str, torch.Tensor] = {}
@@ -183,6 +184,7 @@ def distill_terms(s: tuple, t: tuple, batch: dict, opts: HealOptions, objective:
         if objective in ("lm", "mlm"):
             losses, w = token_losses(objective, s_logits, batch)
             terms["lm"] = _mean(losses, w)
+            terms["lm_tokens"] = w.sum()  # what the mean is over (masked positions for MLM): evaluations weigh by it
     else:
         if s_hidden.shape != t_hidden.shape:
             raise UsageError(f"student and teacher hidden states differ in shape ({tuple(s_hidden.shape)} vs "
@@ -336,7 +338,7 @@ def evaluate_heal(student: nn.Module, teacher: nn.Module, batches: Sequence[dict
     student.eval()
     device = next(student.parameters()).device
     sums: dict[str, float] = {}
-    weight = 0.0
+    weights: dict[str, float] = {}
     try:
         for batch in batches:
             b = to_device(batch, device)
@@ -344,12 +346,17 @@ def evaluate_heal(student: nn.Module, teacher: nn.Module, batches: Sequence[dict
             with _autocast(device, bf16):
                 t = _outputs(teacher, b, opts)
                 s = _outputs(student, b, opts)
-            for k, v in distill_terms(s, t, b, opts, objective).items():
-                sums[k] = sums.get(k, 0.0) + float(v) * n
-            weight += n
+            terms = distill_terms(s, t, b, opts, objective)
+            lm_tokens = terms.pop("lm_tokens", None)
+            for k, v in terms.items():
+                # the LM / MLM loss per predicted token, as `headtool eval` averages it (an MLM batch's
+                # masked positions are not in proportion to its tokens); the other terms per token
+                w = float(lm_tokens) if k == "lm" and lm_tokens is not None else n
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+                weights[k] = weights.get(k, 0.0) + w
     finally:
         student.train(was_training)
-    out = {k: v / max(weight, 1.0) for k, v in sums.items()}
+    out = {k: v / max(weights[k], 1.0) for k, v in sums.items()}
     if "lm" in out:
         out["loss"] = out.pop("lm")
         out["perplexity"] = math.exp(min(out["loss"], 700.0))
