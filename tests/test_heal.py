@@ -509,3 +509,28 @@ def test_held_out_mlm_figures_are_what_eval_measures(text, tmp_path):
     masked = [int((b["labels"] != -100).sum()) for b in held.batches]
     assert masked[-1] / 16 != sum(masked[:-1]) / 96  # not in proportion to the tokens
     assert doc["before"]["loss"] == pytest.approx(evaluate(student.model, held.batches, "mlm")["loss"], rel=1e-6)
+
+
+def test_a_recipe_heal_of_a_bfloat16_model_trains_float32_weights_as_the_command_does(pair, text, tmp_path):
+    """A recipe's heal step trained a bfloat16 model in bfloat16, where most AdamW steps (about the
+    learning rate) are below a weight's resolution and were lost; `headtool heal` trains float32
+    master weights. The step now does too, and ends with the command's weights, in bfloat16."""
+    from headtool.workflows.heal import heal_loaded
+
+    teacher, student = pair
+    bf = tmp_path / "student-bf16"
+    load_model(str(student), dtype="float32", device="cpu").model.to(torch.bfloat16).save_pretrained(bf)
+    tokenizer_for("llama").save_pretrained(bf)
+    opts = HealOptions(max_steps=6, lr=3e-3, seed=3)
+    kw = dict(data=_spec(text), opts=opts, eval_samples=4)
+    heal_checkpoint(str(bf), str(teacher), tmp_path / "cli", load=LoadOptions(device="cpu"), **kw)
+    lm = load_model(str(bf), device="cpu")
+    assert next(lm.model.parameters()).dtype == torch.bfloat16
+    heal_loaded(lm, load_model(str(teacher), device="cpu"), HealRequest("", "", "", **kw))
+    assert {p.dtype for p in lm.model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for n, b in lm.model.named_buffers() if "inv_freq" in n} == {torch.float32}
+    written = checkpoint_tensors(tmp_path / "cli")
+    state = lm.model.state_dict()
+    assert any(not torch.equal(written[k], checkpoint_tensors(bf)[k]) for k in written)
+    for k in written:
+        assert torch.equal(state[k], written[k]), k

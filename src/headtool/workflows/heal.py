@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -97,10 +98,30 @@ def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
     if student.tokenizer is None:
         raise UsageError("heal needs the model's tokenizer to read --data")
     train, held = heal_batches(req, student.tokenizer, student.task, teacher)
-    res = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
-                     objective=OBJECTIVE_OF_TASK.get(student.task))
+    with float32_master_weights(student.model):  # as `headtool heal` trains: bf16 weights lose small updates
+        res = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
+                         objective=OBJECTIVE_OF_TASK.get(student.task))
     res.extra.setdefault("data_source", train.info.get("source"))
     return res
+
+
+@contextmanager
+def float32_master_weights(model: torch.nn.Module):
+    """Train `model` in float32 and give its parameters their own dtype back after (rounded): AdamW
+    steps of about the learning rate (2e-4) are below a bfloat16 weight's resolution and would be lost.
+    Parameters only: buffers (RoPE frequencies, kept float32 on loading) are left as they are."""
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.float()
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in dtypes:
+                    p.data = p.data.to(dtypes[name])
 
 
 def _dtype_name(of) -> str:
