@@ -219,3 +219,23 @@ def test_text_too_short_for_the_held_out_blocks_names_eval_samples(models, tmp_p
     line = _one_line_error(res)
     assert "--eval-samples" in line and "--skip-samples" not in line, line
     assert not (tmp_path / "o").exists()
+
+
+def test_overwrite_never_deletes_a_folder_of_the_user_named_like_the_training_state(models, tmp_path):
+    """--overwrite discards an unfinished training state, OUT.heal-state/: a folder of the user's that
+    bears that name (here a model) was deleted with it, whatever it held."""
+    keep = tmp_path / "o.heal-state"
+    keep.mkdir()
+    for name, data in _snapshot(models.teacher).items():
+        (keep / name).write_bytes(data)
+    before = _snapshot(keep)
+    res = _heal(models, tmp_path / "o", "--overwrite")
+    line = _one_line_error(res)
+    assert str(keep) in line, line
+    assert _snapshot(keep) == before and not (tmp_path / "o").exists()
+    # a real (unfinished) state is still discarded by --overwrite
+    res = _heal(models, tmp_path / "o2", "--keep-state")
+    assert res.exit_code == 0, res.output
+    (tmp_path / "o2.heal-state").rename(tmp_path / "o3.heal-state")
+    res = _heal(models, tmp_path / "o3", "--overwrite")
+    assert res.exit_code == 0 and not (tmp_path / "o3.heal-state").exists(), res.output

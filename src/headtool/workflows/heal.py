@@ -145,6 +145,9 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     if req.resume and not (state_dir / STATE_FILE).exists():
         raise UsageError(f"--resume: no training state in {state_dir} (run without --resume to start)")
     if state_dir.exists() and not req.resume:
+        if not is_state_folder(state_dir):
+            raise UsageError(f"{state_dir} is where heal keeps its training state for -o {req.output}, and it holds "
+                             "other files; move it away or choose another -o (it is never deleted)")
         if not req.overwrite:
             raise UsageError(f"{state_dir} holds the training state of an earlier, unfinished run; pass --resume "
                              "to continue it or --overwrite to start over")
@@ -229,6 +232,14 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
             shutil.rmtree(state_dir, ignore_errors=True)
     barrier(world)
     return doc
+
+
+def is_state_folder(folder: Path) -> bool:
+    """Does `folder` hold only what heal's training state writes (state.pt, state.json and their
+    temporary files), so that --overwrite may delete it? A folder of the user's that happens to bear
+    the name (a model called OUT.heal-state) is not."""
+    return folder.is_dir() and all(p.name in (STATE_FILE, "state.json") or
+                                   (p.name.startswith(".state.") and ".tmp-" in p.name) for p in folder.iterdir())
 
 
 def check_output_beside_inputs(req: HealRequest) -> None:
