@@ -219,6 +219,10 @@ def test_text_too_short_for_the_held_out_blocks_names_eval_samples(models, tmp_p
     line = _one_line_error(res)
     assert "--eval-samples" in line and "--skip-samples" not in line, line
     assert not (tmp_path / "o").exists()
+    # self:N with N below --eval-samples: the same (the text runs out within the held-out blocks)
+    res = runner.invoke(app, ["heal", str(models.student), "--teacher", str(models.teacher), "--data", "self:4",
+                              "--seq-len", "16", "--eval-samples", "6", "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--eval-samples" in res.stderr and "--skip-samples" not in res.stderr, res.output
 
 
 def test_overwrite_never_deletes_a_folder_of_the_user_named_like_the_training_state(models, tmp_path):

@@ -82,9 +82,11 @@ def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, worl
     train_spec, held_spec = _data_specs(data, req.eval_data, req.eval_samples, req.opts, world or World())
     held = make_batches(held_spec, tokenizer, data_task, model=teacher)
     available = held.info.get("available_samples")
-    if req.eval_data is None and held.info.get("corpus_fully_read") and available is not None \
-            and available <= train_spec.skip_samples:
+    short = held.info.get("samples", 0) < (held_spec.max_samples or 0)  # the text ran out within them
+    if req.eval_data is None and (short or held.info.get("corpus_fully_read") and available is not None
+                                  and available <= train_spec.skip_samples):
         # training skips the held-out blocks: make_batches would blame a --skip-samples nobody gave
+        available = available if isinstance(available, int) else data.skip_samples + held.info.get("samples", 0)
         skipped = f" after --skip-samples {data.skip_samples}" if data.skip_samples else ""
         raise UsageError(f"--data {data.source} gives {available} blocks of {data.seq_len} tokens, and the "
                          f"{req.eval_samples} held-out ones (--eval-samples){skipped} leave none to train on: "
