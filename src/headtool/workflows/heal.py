@@ -94,9 +94,18 @@ def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, worl
     return make_batches(train_spec, tokenizer, data_task, model=teacher), held
 
 
+def check_loss_options(req: HealRequest, task: str) -> None:
+    """Options that the student's kind would silently ignore: --lm-weight without a language-model
+    head (no LM loss to weigh)."""
+    if req.opts.lm_weight and task not in OBJECTIVE_OF_TASK:
+        raise UsageError(f"--lm-weight {req.opts.lm_weight:g}: the student is {task!r}, without a language-model "
+                         "head, so it has no LM loss to weigh; leave --lm-weight out (heal distils its outputs)")
+
+
 def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
     """Heal a model in memory towards `teacher` (a recipe step: no training state on disk)."""
     req.validate()
+    check_loss_options(req, student.task)
     if student.tokenizer is None:
         raise UsageError("heal needs the model's tokenizer to read --data")
     train, held = heal_batches(req, student.tokenizer, student.task, teacher)
@@ -140,6 +149,9 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     req.validate()
     if req.eval_samples < 1:
         raise UsageError(f"--eval-samples must be at least 1 (got {req.eval_samples})")
+    if req.data.label_column:
+        raise UsageError(f"--label-column {req.data.label_column}: heal distils the teacher's outputs and reads no "
+                         "labels; leave --label-column out")
     world = world_from_env(req.load.device)
     load_kwargs = req.load.kwargs()
     state_dir = state_folder(req.output)
@@ -175,6 +187,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         raise UsageError(f"{req.student} and --teacher {req.teacher} are the same model (the same weights): the "
                          "distillation loss is 0 already, so there is nothing to heal; the teacher is the original "
                          "the student was pruned or converted from")
+    check_loss_options(req, student.task)
     objective = OBJECTIVE_OF_TASK.get(student.task)
     same_source = teacher_is_recorded_source(student.path, teacher.fingerprint)
     if same_source is False and world.main:
