@@ -246,9 +246,9 @@ def test_overwrite_never_deletes_a_folder_of_the_user_named_like_the_training_st
 
 
 def test_options_heal_would_ignore_are_refused(models, tmp_path):
-    """--lm-weight on a student without a language-model head (a headless encoder), --hidden-weight on
-    a headless one (its distillation is the hidden-state match already) and --label-column (heal reads
-    no labels) were accepted and did nothing."""
+    """--lm-weight on a student without a language-model head (a headless encoder), --hidden-weight and
+    --temperature on a headless one (its distillation is the hidden-state match already, no softmax)
+    and --label-column (heal reads no labels) were accepted and did nothing."""
     from tiny_models import tiny_model, tokenizer_for
 
     for seed, name in ((0, "t"), (1, "s")):
@@ -264,6 +264,10 @@ def test_options_heal_would_ignore_are_refused(models, tmp_path):
                               "-o", str(tmp_path / "o")])
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error")]
     assert res.exit_code == 2 and len(errors) == 1 and "--hidden-weight" in errors[0], res.output
+    res = runner.invoke(app, ["heal", str(tmp_path / "s"), "--teacher", str(tmp_path / "t"), "--data",
+                              str(models.text), *SMALL, "--temperature", "2", "-o", str(tmp_path / "o")])
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error")]
+    assert res.exit_code == 2 and len(errors) == 1 and "--temperature" in errors[0], res.output
     res = _heal(models, tmp_path / "o", "--label-column", "label")
     line = _one_line_error(res)
     assert "--label-column" in line, line

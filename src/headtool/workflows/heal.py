@@ -96,11 +96,14 @@ def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, worl
 
 def check_loss_options(req: HealRequest, task: str) -> None:
     """Options that the student's kind would silently ignore: --lm-weight without a language-model
-    head (no LM loss to weigh), --hidden-weight on a headless model (its distillation is the match of
+    head (no LM loss to weigh), --temperature and --hidden-weight on a headless model (its distillation is the match of
     the final hidden states already, weighed by --kl-weight; --hidden-layers all was not applied)."""
     if req.opts.lm_weight and task not in OBJECTIVE_OF_TASK:
         raise UsageError(f"--lm-weight {req.opts.lm_weight:g}: the student is {task!r}, without a language-model "
                          "head, so it has no LM loss to weigh; leave --lm-weight out (heal distils its outputs)")
+    if req.opts.temperature != 1.0 and task == "base":
+        raise UsageError(f"--temperature {req.opts.temperature:g}: the student is headless, so there is no softmax "
+                         "to soften (its distillation matches final hidden states); leave --temperature out")
     if req.opts.hidden_weight and task == "base":
         raise UsageError(f"--hidden-weight {req.opts.hidden_weight:g}: the student is headless, and its "
                          "distillation already matches its final hidden states (weighed by --kl-weight); leave "
