@@ -3,8 +3,17 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from rich.table import Table
+from rich import table as _rich_table
 from rich.text import Text
+
+
+class Table(_rich_table.Table):
+    """rich's Table, whose cells fold onto more lines where the console is too narrow for them (COLUMNS=40)
+    instead of ending in '…': a figure cut to '7…' hides its value."""
+
+    def add_column(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("overflow", "fold")
+        super().add_column(*args, **kwargs)
 
 
 def human_int(n: int | float) -> str:
@@ -122,24 +131,53 @@ def heat_color(x: float) -> str:
 
 
 def heatmap_table(title: str, matrix: Sequence[Sequence[float]], fmt: str = "{:.2f}",
-                  row_label: str = "layer", col_label: str = "h") -> Table:
+                  row_label: str = "layer", col_label: str = "h") -> "Heatmap":
     """A layers x heads table of coloured cells with their values (ragged rows allowed)."""
-    flat = [v for row in matrix for v in row]
-    lo, hi = (min(flat), max(flat)) if flat else (0.0, 1.0)
-    span = (hi - lo) or 1.0
-    width = max((len(r) for r in matrix), default=0)
-    t = Table(title=title, title_justify="left", padding=(0, 0), show_edge=False)
-    t.add_column(row_label, justify="right", style="bold")
-    for j in range(width):
-        t.add_column(f"{col_label}{j}", justify="right")
-    for i, row in enumerate(matrix):
-        cells = []
-        for v in row:
-            c = heat_color((v - lo) / span)
-            cells.append(Text(" " + fmt.format(v) + " ", style=f"black on {c}"))
-        cells += [Text("")] * (width - len(row))
-        t.add_row(str(i), *cells)
-    return t
+    return Heatmap(title, matrix, fmt, row_label, col_label)
+
+
+class Heatmap:
+    """A layers x heads heatmap that fits the console by showing the heads in slices, one table each,
+    every slice with the layer column: squeezed into one table, a model of 32 heads in 120 columns
+    (or 9 in 40) had every value cut to '0…'."""
+
+    def __init__(self, title: str, matrix: Sequence[Sequence[float]], fmt: str, row_label: str, col_label: str):
+        self.title, self.fmt, self.row_label, self.col_label = title, fmt, row_label, col_label
+        self.matrix = [list(row) for row in matrix]
+        flat = [v for row in self.matrix for v in row]
+        self.lo, self.hi = (min(flat), max(flat)) if flat else (0.0, 1.0)
+        self.width = max((len(r) for r in self.matrix), default=0)
+
+    def _cell(self, v: float) -> Text:
+        c = heat_color((v - self.lo) / ((self.hi - self.lo) or 1.0))
+        return Text(" " + self.fmt.format(v) + " ", style=f"black on {c}")
+
+    def _slices(self, max_width: int) -> list[range]:
+        """Consecutive head ranges, each as wide as fits beside the layer column (at least one head)."""
+        label = max(len(self.row_label), len(str(len(self.matrix) - 1)))
+        slices, start, used = [], 0, label
+        for j in range(self.width):
+            cells = [self._cell(r[j]).cell_len for r in self.matrix if j < len(r)]
+            need = max([len(f"{self.col_label}{j}"), *cells]) + 1  # + the separator before it
+            if j > start and used + need > max_width:
+                slices.append(range(start, j))
+                start, used = j, label
+            used += need
+        slices.append(range(start, self.width))
+        return slices
+
+    def table(self, heads: range, title: str) -> Table:
+        t = Table(title=title, title_justify="left", padding=(0, 0), show_edge=False)
+        t.add_column(self.row_label, justify="right", style="bold")
+        for j in heads:
+            t.add_column(f"{self.col_label}{j}", justify="right")
+        for i, row in enumerate(self.matrix):
+            t.add_row(str(i), *(self._cell(row[j]) if j < len(row) else Text("") for j in heads))
+        return t
+
+    def __rich_console__(self, console, options):
+        for k, heads in enumerate(self._slices(options.max_width)):
+            yield self.table(heads, self.title if k == 0 else "")
 
 
 def pairs_table(title: str, pairs: Sequence[dict[str, Any]]) -> Table:

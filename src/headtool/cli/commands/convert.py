@@ -26,7 +26,7 @@ def _kv_rows(before: list[int], after: list[int]) -> list[tuple[str, str]]:
 
 
 def _tables(summary: dict[str, Any]):
-    from rich.table import Table
+    from ..render import Table
 
     from ...measure.evaluation import PAIRED_NOTE, gap_text  # torch: only once a command runs
     from ..render import human_bytes, human_int

@@ -13,7 +13,7 @@ from ..options import JsonOpt, LoadOptions, command_options, data_options, model
 
 
 def _table(summary: dict[str, Any]):
-    from rich.table import Table
+    from ..render import Table
 
     from ..render import human_bytes, human_int
 

@@ -41,7 +41,7 @@ def heal(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions
 
 def heal_table(doc: dict[str, Any]):
     """Before / after held-out figures of a heal, for stderr."""
-    from rich.table import Table
+    from ..render import Table
 
     from ..render import human_bytes, human_int
 

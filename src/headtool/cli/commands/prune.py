@@ -50,7 +50,7 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
 
 def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: bool,
             protected: set[int] = frozenset()) -> None:
-    from rich.table import Table
+    from ..render import Table
 
     from ...io.provenance import IN_DOMAIN_NOTE
     from ...surgery.pruning import kv_heads_cell

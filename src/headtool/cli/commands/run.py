@@ -18,7 +18,7 @@ def _kv(row: dict) -> str:
 
 
 def render_summary(result: dict) -> None:
-    from rich.table import Table
+    from ..render import Table
 
     from ...console import err_console
     from ..render import human_bytes, human_int
