@@ -27,3 +27,26 @@ def test_score_piped_into_prune(tmp_path):
                           text=True, env=env, timeout=120)
     assert json.loads(info.stdout)["total_heads"] == 8
     assert json.loads((out / "headtool.json").read_text())["scores"]["from"] == "-"
+
+
+def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
+    """`>&-` (or a service started without stdout) left Python's sys.stdout None: prune --json wrote its
+    folder, then exited 1 with 'internal error: AttributeError ... please report it'; score computed
+    everything first. Now one line, exit 2, before the work: nothing written."""
+    model = save_tiny("qwen2", tmp_path / "m")
+    ht = f"{shlex.quote(sys.executable)} -m headtool"
+    env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "pruned"
+    for cmd, says in ((f"{ht} prune {model} --heads '1:0,2' -o {out} --json", "--json"),
+                      (f"{ht} info {model} --json", "--json"),
+                      (f"{ht} score {model} --method magnitude", "-o FILE")):
+        res = subprocess.run(["bash", "-c", cmd + " >&-"], capture_output=True, text=True, env=env, timeout=300)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert lines[-1].startswith("error: stdout is closed") and says in lines[-1], lines
+        assert "Traceback" not in res.stderr and "internal error" not in res.stderr
+        assert "head scores" not in res.stderr  # refused before scoring
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    res = subprocess.run(["bash", "-c", f"{ht} info {model} >&-"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]  # without --json nothing goes to stdout

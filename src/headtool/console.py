@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from rich.console import Console
+
+from .errors import UsageError
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -53,9 +55,19 @@ def warn(msg: str) -> None:
     err_console().print(f"[yellow]warning:[/yellow] {msg}")
 
 
+def result_stream(what: str = "the result", instead: str = "") -> Any:
+    """sys.stdout, where results go. A closed one (`>&-`, a service started without one) is Python's None:
+    writing the result there was an internal error, and only after the work (a pruned folder written,
+    then exit 1): a one-line usage error instead, which the commands raise before any work."""
+    if sys.stdout is None:
+        raise UsageError(f"stdout is closed, so {what} has nowhere to go; redirect it (> FILE)"
+                         + (f" or {instead}" if instead else ""))
+    return sys.stdout
+
+
 def print_json(obj: Any, stream=None) -> None:
     """One JSON document on stdout (never coloured)."""
-    stream = stream or sys.stdout
+    stream = stream or result_stream()
     stream.write(json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n")
     stream.flush()
 

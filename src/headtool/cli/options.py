@@ -162,4 +162,13 @@ def command_options(request: type, *, nested: dict[str, type] | None = None, ski
     return deco
 
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]
+def _stdout_for_json(value: bool) -> bool:
+    """--json with stdout closed is refused as the command line is read, before any work."""
+    if value:
+        from ..console import result_stream
+
+        result_stream("--json", "leave --json out")
+    return value
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout", callback=_stdout_for_json)]

@@ -80,8 +80,11 @@ def write_document(doc: dict[str, Any], path: str | None) -> None:
     """To `path` (atomically where it is a file: io.files.write_file), or to stdout for None / '-'."""
     text = dumps(doc)
     if path is None or path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        from ..console import result_stream
+
+        out = result_stream()
+        out.write(text)
+        out.flush()
         return
     from ..io.files import check_output_path, write_text
 

@@ -26,7 +26,7 @@ def score_cmd(
 
     Pipe it into prune: headtool score m --data d | headtool prune m --scores - --fraction 0.3 -o out
     """
-    from ...console import err_console, info
+    from ...console import err_console, info, result_stream
     from ...io.files import check_output_path
     from ...measure.scores_doc import write_document
     from ...workflows.score import run_score
@@ -38,6 +38,8 @@ def score_cmd(
     inputs = command_inputs(model, req.data)
     if output and output != "-":
         check_output_path(output, "-o", inputs)
+    else:
+        result_stream("the score document", "write it with -o FILE")  # the document goes to stdout: a closed one is refused before scoring
     if plot:
         from ..plotting import check_plot_file
 
