@@ -172,8 +172,22 @@ class Adapter:
     # its own output (GPT-2's resid_dropout), that one; latent attention rebuilds both
     attention_dropout_attr: str = "attention_dropout"
     output_dropout_attr: str | None = None
+    # model types of the family whose learned positions start after the padding index (RoBERTa:
+    # max_position_embeddings 514 takes 512 tokens)
+    positions_after_padding: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- geometry
+    def max_positions(self, config) -> int | None:
+        """The most tokens one sequence may hold where positions are learned (a table of
+        max_position_embeddings rows: GPT-2, OPT, BERT): a longer one fails inside the model. None for
+        rotary positions, which run past the configured length."""
+        n = getattr(config, "max_position_embeddings", None)
+        if self.rotary or not isinstance(n, int) or n < 1:
+            return None
+        if getattr(config, "model_type", None) in self.positions_after_padding:
+            n -= int(getattr(config, "pad_token_id", None) or 0) + 1
+        return n
+
     def num_layers(self, config) -> int:
         return int(getattr(config, self.layers_key))
 

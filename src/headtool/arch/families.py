@@ -51,6 +51,7 @@ BERT = Adapter(
     support=ConfigSupport(kv_heads=False, explicit_head_dim=False, heads_need_not_divide_hidden=False),
     resize_attrs=(("attention.self.num_attention_heads", "num_heads"),
                   ("attention.self.all_head_size", "q_width")),
+    positions_after_padding=("roberta", "xlm-roberta", "camembert", "data2vec-text"),
 )
 
 GPT2 = Adapter(

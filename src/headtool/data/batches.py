@@ -69,7 +69,22 @@ class Batches:
 # --------------------------------------------------------------------------- helpers
 
 
-def _validate(spec: DataSpec, task: str, tokenizer: Any) -> None:
+def _position_limit(model: Any) -> int | None:
+    """The most tokens a sequence of `model` (a LoadedModel or a module) may hold, where its positions
+    are learned (arch.Adapter.max_positions); None where there is no such limit or no model."""
+    from ..arch.registry import adapter_for
+    from ..errors import HeadtoolError
+
+    config = getattr(getattr(model, "model", model), "config", None)
+    if config is None:
+        return None
+    try:
+        return adapter_for(config).max_positions(config)
+    except HeadtoolError:
+        return None
+
+
+def _validate(spec: DataSpec, task: str, tokenizer: Any, model: Any = None) -> None:
     if task not in TASKS:
         raise UsageError(f"unknown data task '{task}'; use one of: {', '.join(TASKS)}")
     if tokenizer is None or not callable(tokenizer):
@@ -94,6 +109,10 @@ def _validate(spec: DataSpec, task: str, tokenizer: Any) -> None:
         raise UsageError(
             f"--seq-len {spec.seq_len} is longer than the tokenizer's maximum length {mml}; use --seq-len {mml} or less"
         )
+    most = _position_limit(model)
+    if most is not None and spec.seq_len > most:  # failed inside the model: 'internal error: IndexError'
+        raise UsageError(f"--seq-len {spec.seq_len} is longer than the model's {most} positions "
+                         f"(max_position_embeddings); use --seq-len {most} or less")
 
 
 def _sample_cap(spec: DataSpec) -> int | None:
@@ -614,7 +633,7 @@ def resolve_auto(spec: DataSpec | None, tokenizer: Any, model: Any, task: str = 
     the model, so held-out and evaluation blocks are cut from the same concrete source."""
     if spec is None or not is_auto(spec.source):
         return spec
-    _validate(spec, task, tokenizer)  # bad input is reported before anything else is said or done
+    _validate(spec, task, tokenizer, model)  # bad input is reported before anything else is said or done
     sampling = task in ("lm", "plain") and model is not None and can_sample(model, tokenizer)
     source = AUTO_SAMPLING if sampling else AUTO_OTHER
     tell(f"--data auto: {source} ("
@@ -684,7 +703,7 @@ def make_batches(spec: DataSpec, tokenizer: Any, task: str = "lm", model: Any = 
 
 def _make_batches(spec: DataSpec, tokenizer: Any, task: str, model: Any) -> Batches:
     spec = resolve_auto(spec, tokenizer, model, task)
-    _validate(spec, task, tokenizer)
+    _validate(spec, task, tokenizer, model)
     parts = parse_sources(spec.source)
     if len(parts) == 1 and not self_source(parts[0].source)[0]:
         if parts[0].source != spec.source:  # one source with a weight: the weight means nothing

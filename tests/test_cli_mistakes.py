@@ -1,0 +1,36 @@
+"""User mistakes on the command line: one line on stderr, exit 2, no traceback, nothing written."""
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from headtool.cli.app import app
+from tiny_models import save_tiny
+
+runner = CliRunner()
+
+
+def _refused(args: list[str]) -> str:
+    res = runner.invoke(app, args)
+    err = res.stderr if hasattr(res, "stderr") else res.output
+    assert res.exit_code == 2, (res.exit_code, res.output, repr(res.exception))
+    assert "Traceback" not in err and "internal error" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("family, limit", [("gpt2", 128), ("bert", 128), ("roberta", 128)])
+def test_a_seq_len_past_learned_positions_is_a_usage_error(tmp_path, family, limit):
+    """--seq-len longer than a model's learned position table (GPT-2, OPT, BERT; RoBERTa's starts after
+    the padding index) failed inside the model: 'internal error: IndexError: index out of range in
+    self ... please report it' (exit 1), or a tensor size mismatch for BERT. The tokenizer's maximum
+    length caught it only where the tokenizer states one (OPT's does not)."""
+    model = save_tiny(family, tmp_path / "m")
+    out = tmp_path / "out"
+    for cmd in (["eval", str(model)], ["score", str(model)], ["prune", str(model), "--fraction", "0.2", "-o", str(out)]):
+        line = _refused([*cmd, "--data", "builtin:pydoc", "--max-samples", "1", "--seq-len", str(limit + 1)])
+        assert line == (f"error: --seq-len {limit + 1} is longer than the model's {limit} positions "
+                        f"(max_position_embeddings); use --seq-len {limit} or less"), line
+    assert not out.exists()
+    res = runner.invoke(app, ["eval", str(model), "--data", "builtin:pydoc", "--max-samples", "1",
+                              "--seq-len", str(limit)])
+    assert res.exit_code == 0, res.output
