@@ -34,3 +34,13 @@ def test_a_seq_len_past_learned_positions_is_a_usage_error(tmp_path, family, lim
     res = runner.invoke(app, ["eval", str(model), "--data", "builtin:pydoc", "--max-samples", "1",
                               "--seq-len", str(limit)])
     assert res.exit_code == 0, res.output
+
+
+def test_a_folder_given_as_a_recipe_is_named_a_folder(tmp_path):
+    """`headtool run some-folder` said 'recipe not found: some-folder' of a folder that is there."""
+    (tmp_path / "recipes").mkdir()
+    for extra in ([], ["--check"]):
+        line = _refused(["run", str(tmp_path / "recipes"), *extra])
+        assert line == (f"error: {tmp_path / 'recipes'} is a folder, not a recipe; give a recipe YAML file "
+                        "(e.g. recipes/demo.yaml)"), line
+    assert _refused(["run", str(tmp_path / "nope.yaml")]) == f"error: recipe not found: {tmp_path / 'nope.yaml'}"

@@ -183,6 +183,8 @@ def _to_python(node: yaml.Node, path: str, recipe: Recipe) -> Any:
 
 def load_recipe(path: str | os.PathLike) -> Recipe:
     p = Path(path)
+    if p.is_dir():  # it was 'recipe not found' for a folder that is there
+        raise UsageError(f"{p} is a folder, not a recipe; give a recipe YAML file (e.g. recipes/demo.yaml)")
     if not p.is_file():
         raise UsageError(f"recipe not found: {p}")
     try:
