@@ -44,3 +44,25 @@ def test_a_folder_given_as_a_recipe_is_named_a_folder(tmp_path):
         assert line == (f"error: {tmp_path / 'recipes'} is a folder, not a recipe; give a recipe YAML file "
                         "(e.g. recipes/demo.yaml)"), line
     assert _refused(["run", str(tmp_path / "nope.yaml")]) == f"error: recipe not found: {tmp_path / 'nope.yaml'}"
+
+
+def _prune_json(args: list[str]) -> dict:
+    import json
+
+    res = runner.invoke(app, ["prune", *args, "--dry-run", "--json"])
+    assert res.exit_code == 0, (res.output, repr(res.exception))
+    return json.loads(res.stdout)
+
+
+def test_prune_scores_with_a_data_free_method_without_data(tmp_path):
+    """`prune m --fraction 0.2 --method magnitude` (or random), which read no data, failed with 'internal
+    error: AttributeError: 'NoneType' object has no attribute 'seed''; with --data it ran. --seed still
+    draws --method random's scores."""
+    model = save_tiny("qwen2", tmp_path / "m")
+    doc = _prune_json([str(model), "--fraction", "0.2", "--method", "magnitude"])
+    assert doc["heads_removed"] == 2 and doc["scores"]["method"] == "magnitude"
+    drawn = {seed: _prune_json([str(model), "--fraction", "0.3", "--method", "random", "--seed", seed])["kept_heads"]
+             for seed in ("0", "7")}
+    assert drawn["0"] != drawn["7"]
+    assert _prune_json([str(model), "--fraction", "0.3", "--method", "random", "--seed", "7"])["kept_heads"] == drawn["7"]
+

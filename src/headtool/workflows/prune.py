@@ -226,7 +226,8 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
             scored, score_info = Scored(scores), {"from": "an earlier score step"}
         else:
             probe = _sensitivity_probe(lm, req, spec)
-            scored, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm, probe)
+            scored, score_info = _scores(lm, req.scores, spec, req.method, req.objective, tm, probe,
+                                         seed=(req.data or DataSpec()).seed)
             sensitivity = probe.result() if probe is not None else None
         modes = normalizations(req, scored, spec, lm.task)
         if modes and "obs" in modes:
@@ -437,9 +438,11 @@ def calib_info(lm, spec) -> dict | None:
         if spec else None
 
 
-def _scores(lm, scores: str | None, spec, method: str, objective: str, tm, probe=None) -> tuple[Scored, dict]:
+def _scores(lm, scores: str | None, spec, method: str, objective: str, tm, probe=None, *, seed: int = 0
+            ) -> tuple[Scored, dict]:
     """The score matrix (from a document, or by scoring now on --data, with `probe` riding along) and
-    where it came from."""
+    where it came from. seed: --seed, which --method random draws with; spec is None where no data is
+    read (magnitude and random with the default data), and its seed went with it: an internal error."""
     if scores is not None:
         doc = read_scores(scores, lm)
         scored = Scored(doc["scores"], doc.get("raw_scores"), doc.get("normalize"), doc.get("method"),
@@ -451,7 +454,7 @@ def _scores(lm, scores: str | None, spec, method: str, objective: str, tm, probe
     if method in DATA_METHODS:
         resolved = resolve_objective(objective, lm.task, spec.label_column)
         batches = make_batches(spec, lm.tokenizer, DATA_TASK[resolved], model=tm).batches
-    result = score_heads(lm.model, lm.adapter, batches, method=method, objective=resolved, seed=spec.seed,
+    result = score_heads(lm.model, lm.adapter, batches, method=method, objective=resolved, seed=seed,
                          label="score", probe=probe)
     info(f"scored with {result.estimator}" + (f" ({resolved})" if resolved else ""))
     return Scored.of(result), {"from": "data", "method": method, "estimator": result.estimator,
