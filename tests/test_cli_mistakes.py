@@ -66,3 +66,15 @@ def test_prune_scores_with_a_data_free_method_without_data(tmp_path):
     assert drawn["0"] != drawn["7"]
     assert _prune_json([str(model), "--fraction", "0.3", "--method", "random", "--seed", "7"])["kept_heads"] == drawn["7"]
 
+
+def test_prune_method_with_scores_or_heads_is_refused(tmp_path):
+    """--method picks how prune scores the heads itself; with --scores or --heads nothing scores and it was
+    silently ignored (`--scores s.json --method ablation` pruned by the document's gradient scores)."""
+    model = save_tiny("qwen2", tmp_path / "m")
+    scores = tmp_path / "s.json"
+    res = runner.invoke(app, ["score", str(model), "--method", "magnitude", "-o", str(scores)])
+    assert res.exit_code == 0, res.output
+    for given in (["--scores", str(scores), "--fraction", "0.2"], ["--heads", "1:0,2"]):
+        line = _refused(["prune", str(model), *given, "--method", "ablation", "--dry-run"])
+        assert line == "error: --method only applies when prune scores the heads itself (no --scores or --heads)"
+    assert _prune_json([str(model), "--scores", str(scores), "--fraction", "0.2"])["heads_removed"] == 2

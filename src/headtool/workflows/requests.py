@@ -327,6 +327,8 @@ class PruneRequest:
             _check_method_pair(self)  # (it scores now)
         if self.scores is not None and self.heads is not None:  # (the listed heads were removed, the scores unread)
             raise UsageError("give either --scores or --heads, not both")
+        if self.scores is not None or self.heads is not None:  # (it was ignored: the heads came from elsewhere)
+            refuse_unused(given(self, ("method",)), "when prune scores the heads itself (no --scores or --heads)")
         if not self.compensate:
             flags = self.refit_options_given()
             also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""
