@@ -78,3 +78,15 @@ def test_prune_method_with_scores_or_heads_is_refused(tmp_path):
         line = _refused(["prune", str(model), *given, "--method", "ablation", "--dry-run"])
         assert line == "error: --method only applies when prune scores the heads itself (no --scores or --heads)"
     assert _prune_json([str(model), "--scores", str(scores), "--fraction", "0.2"])["heads_removed"] == 2
+
+
+def test_score_ablation_batch_needs_the_ablation_method(tmp_path):
+    """--ablation-batch sizes the batched ablation passes; with any other --method (gradient by default)
+    it was silently ignored."""
+    model = save_tiny("qwen2", tmp_path / "m")
+    base = ["score", str(model), "--data", "builtin:pydoc", "--max-samples", "2", "--seq-len", "16"]
+    for method in ([], ["--method", "taylor"]):
+        assert _refused([*base, *method, "--ablation-batch", "3"]) == \
+            "error: --ablation-batch only applies with --method ablation"
+    res = runner.invoke(app, [*base, "--method", "ablation", "--ablation-batch", "3"])
+    assert res.exit_code == 0, res.output

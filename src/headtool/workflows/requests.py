@@ -200,6 +200,8 @@ class ScoreRequest:
         if (self.fraction is not None or self.iterative_fraction is not None) and not self.iterative:
             raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final "
                              "fraction)")
+        if self.method != "ablation":  # (it was ignored: only the ablation passes batch heads)
+            refuse_unused(given(self, ("ablation_batch",)), "with --method ablation")
 
 
 _H, _T, _C, _E = "Heads", "Target", "Compensation", "Evaluation"
