@@ -12,8 +12,6 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from rich.console import Console
-
-from .errors import UsageError
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -22,6 +20,8 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+
+from .errors import UsageError
 
 _err: Console | None = None
 

@@ -38,8 +38,8 @@ def score_cmd(
     inputs = command_inputs(model, req.data)
     if output and output != "-":
         check_output_path(output, "-o", inputs)
-    else:
-        result_stream("the score document", "write it with -o FILE")  # the document goes to stdout: a closed one is refused before scoring
+    else:  # the document goes to stdout: a closed one is refused before scoring
+        result_stream("the score document", "write it with -o FILE")
     if plot:
         from ..plotting import check_plot_file
 
