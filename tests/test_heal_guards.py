@@ -241,6 +241,9 @@ def test_overwrite_never_deletes_a_folder_of_the_user_named_like_the_training_st
     res = _heal(models, tmp_path / "o2", "--keep-state")
     assert res.exit_code == 0, res.output
     (tmp_path / "o2.heal-state").rename(tmp_path / "o3.heal-state")
+    # without --overwrite the kept state of a finished run is refused, and not called unfinished
+    line = _one_line_error(_heal(models, tmp_path / "o3"))
+    assert "kept by --keep-state" in line and "--resume" in line, line
     res = _heal(models, tmp_path / "o3", "--overwrite")
     assert res.exit_code == 0 and not (tmp_path / "o3.heal-state").exists(), res.output
 

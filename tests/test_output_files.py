@@ -247,3 +247,14 @@ def test_a_gguf_is_converted_without_tqdm_bars_and_says_so_once(gguf_in_a_model_
     again = runner.invoke(app, ["info", gguf, "--json"])
     assert again.exit_code == 0 and "converting" not in again.stderr, again.output
     assert json.loads(again.stdout)["path"] == json.loads(first.stdout)["path"]
+
+
+def test_the_card_names_kept_heads_only_where_the_operation_chose_heads():
+    """The card closed with 'headtool.json records ... the query heads kept in every layer' for every
+    operation: a heal or convert-mla record has no kept_heads."""
+    from headtool.io.output import STANDARD, model_card
+
+    pruned = model_card({"operation": "prune", "kept_heads": [[0, 2]]}, STANDARD, "", "AutoModelForCausalLM")
+    healed = model_card({"operation": "heal"}, STANDARD, "", "AutoModelForCausalLM")
+    assert "query heads kept in every layer (`kept_heads`" in pruned
+    assert "kept" not in healed.split("`headtool.json` records")[1]

@@ -173,8 +173,10 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
     if card_table:
         lines += ["## Summary", "", card_table.strip(), ""]
     lines += card_lines(meta.get(RECORD))
-    lines += ["`headtool.json` records the source fingerprint, the method and options, and the query heads "
-              "kept in every layer (original indices).", ""]
+    # kept_heads only where the operation chose heads (prune, convert-gqa's order): not for heal or convert-mla
+    kept = (", and the query heads kept in every layer (`kept_heads`: indices of the source model)"
+            if meta.get("kept_heads") is not None else "")
+    lines += [f"`headtool.json` records the source fingerprint, the method and options{kept}.", ""]
     return "\n".join(lines)
 
 

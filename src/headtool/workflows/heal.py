@@ -171,8 +171,8 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
             raise UsageError(f"{state_dir} is where heal keeps its training state for -o {req.output}, and it holds "
                              "other files; move it away or choose another -o (it is never deleted)")
         if not req.overwrite:
-            raise UsageError(f"{state_dir} holds the training state of an earlier, unfinished run; pass --resume "
-                             "to continue it or --overwrite to start over")
+            raise UsageError(f"{state_dir} holds the training state of an earlier run (unfinished, or kept by "
+                             "--keep-state); pass --resume to continue it or --overwrite to start over")
         if world.main:
             shutil.rmtree(state_dir)
     if world.size > 1 and torch.cuda.is_available() and load_kwargs.get("device", "auto") in ("auto", "cuda"):
