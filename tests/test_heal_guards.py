@@ -75,10 +75,11 @@ def test_output_may_not_be_inside_or_hold_the_teacher(models, where, tmp_path):
     ["--lr", "nan"], ["--lr", "inf"], ["--weight-decay", "nan"], ["--temperature", "nan"],
     ["--temperature", "inf"], ["--kl-weight", "nan"], ["--lm-weight", "nan"], ["--hidden-weight", "nan"],
     ["--max-grad-norm", "nan"], ["--max-grad-norm", "inf"], ["--lora-alpha", "nan", "--train", "lora"],
-    ["--self-temperature", "nan"], ["--self-top-p", "inf"],
+    ["--self-temperature", "nan"], ["--self-top-p", "inf"], ["--self-top-p", "2"], ["--self-top-p", "0"],
 ], ids=lambda e: " ".join(e))
 def test_non_finite_float_options_exit_2_up_front(models, extra, tmp_path):
-    """Every float option of heal is checked before any model loads: one line naming it, nothing written."""
+    """Every float option of heal is checked before any model loads: one line naming it, nothing written
+    (--self-top-p 2 was refused only once the models had loaded, as 'self-calibration top_p')."""
     res = _heal(models, tmp_path / "out", *extra)
     line = _one_line_error(res)
     assert extra[0] in line, line

@@ -237,3 +237,13 @@ def test_a_command_option_a_step_does_not_take_says_where_it_goes(tmp_path):
     assert "steps.0.streaming: not a key of a step: a recipe keeps the model in memory" in msg
     assert "steps.1.resume: not a key of a step: a recipe heals in memory" in msg
     assert "steps.1.colour: unknown key" in msg
+
+
+def test_an_inclusive_upper_bound_is_checked_with_the_option():
+    """`max` (inclusive) beside `above`: (0, 1] for --self-top-p, where 1 is allowed and 1.5 is not."""
+    from headtool.data.sources import DataSpec
+    from headtool.optionspec import check
+
+    check(DataSpec(self_top_p=1.0))
+    with pytest.raises(UsageError, match=r"--self-top-p must be a number in \(0, 1\], got 1.5"):
+        check(DataSpec(self_top_p=1.5))

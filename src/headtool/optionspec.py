@@ -25,18 +25,18 @@ STEP, RECIPE, CLI_ONLY = "step", "recipe", "cli"
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
            panel: str | None = None, choices: tuple[str, ...] = (), multiple: bool = False,
            min: float | None = None, above: float | None = None, below: float | None = None,
-           where: str = STEP, why: str = "", factory: Any = None, positional: bool = False,
+           max: float | None = None, where: str = STEP, why: str = "", factory: Any = None, positional: bool = False,
            show_default: bool | str = True, parse: Callable[[Any], Any] | None = None) -> Any:
     """A dataclass field with the metadata the CLI and the recipe schema derive from.
 
     flags: the CLI spelling ("--x", "-x" or "--on/--off"); default "--<name with dashes>".
-    choices: allowed values (multiple: a comma list of them). min (inclusive), above and below
-    (exclusive): the range of a number. where: STEP, RECIPE or CLI_ONLY (then `why` says why).
+    choices: allowed values (multiple: a comma list of them). min and max (inclusive), above and
+    below (exclusive): the range of a number. where: STEP, RECIPE or CLI_ONLY (then `why` says why).
     parse: for a value that the command line gives as text (a str | number field), the function
     that reads it, raising ValueError with what is allowed; the recipe check runs it too.
     """
     meta = {"help": help, "flags": flags, "panel": panel, "choices": tuple(choices), "multiple": multiple,
-            "min": min, "above": above, "below": below, "where": where, "why": why, "positional": positional,
+            "min": min, "above": above, "below": below, "max": max, "where": where, "why": why, "positional": positional,
             "show_default": show_default, "parse": parse, "option": True}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -130,6 +130,8 @@ def problem(opt: Opt, value: Any) -> str | None:
     if _number(value):
         if m["above"] is not None and m["below"] is not None and not m["above"] < value < m["below"]:
             return f"must be a number in ({m['above']:g}, {m['below']:g}), got {value!r}"
+        if m["above"] is not None and m.get("max") is not None and not m["above"] < value <= m["max"]:
+            return f"must be a number in ({m['above']:g}, {m['max']:g}], got {value!r}"
         what = "an integer" if t is int else "a number"
         if m["min"] is not None and value < m["min"]:
             return f"must be {what} >= {m['min']:g}, got {value!r}"
@@ -138,6 +140,8 @@ def problem(opt: Opt, value: Any) -> str | None:
                 f", got {value!r}"
         if m["below"] is not None and value >= m["below"]:
             return f"must be less than {m['below']:g}, got {value!r}"
+        if m.get("max") is not None and value > m["max"]:
+            return f"must be {what} <= {m['max']:g}, got {value!r}"
     return None
 
 

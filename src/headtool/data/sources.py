@@ -121,7 +121,8 @@ class DataSpec:
                                min=0, panel=_PANEL)
     self_temperature: float = option(1.0, "--data self: sampling temperature of the generated text", above=0,
                                      panel=_PANEL)
-    self_top_p: float = option(0.95, "--data self: nucleus (top-p) of the generated text", above=0, panel=_PANEL)
+    self_top_p: float = option(0.95, "--data self: nucleus (top-p) of the generated text, in (0, 1]", above=0,
+                               max=1, panel=_PANEL)
 
 
 # --------------------------------------------------------------------------- grammar
