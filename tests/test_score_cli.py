@@ -211,3 +211,16 @@ def test_taylor_with_kl_in_a_recipe_is_a_located_problem(tmp_path):
     recipe.write_text(f"model: {src}\nsteps:\n  - score: {{method: taylor, objective: kl}}\n")
     res = runner.invoke(app, ["run", str(recipe), "--check"])
     assert res.exit_code == 2 and "r.yaml:3" in res.stderr and "taylor" in res.stderr, res.output
+
+
+def test_json_flag_prints_the_document_as_the_other_commands_do(folders, tmp_path):
+    """`score --json` was 'No such option' where every other command takes it: it prints the score
+    document on stdout (what score does without -o); beside -o FILE it is one line, exit 2."""
+    plain, flagged = _score(folders, "--method", "magnitude"), _score(folders, "--method", "magnitude", "--json")
+    assert plain.exit_code == 0 and flagged.exit_code == 0, flagged.output
+    a, b = json.loads(plain.stdout), json.loads(flagged.stdout)
+    assert a["scores"] == b["scores"] and a["format"] == b["format"] == FORMAT
+    res = _score(folders, "--method", "magnitude", "--json", "-o", str(tmp_path / "s.json"))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "--json" in lines[0] and "-o" in lines[0], res.output
+    assert not (tmp_path / "s.json").exists()

@@ -7,13 +7,14 @@ import typer
 
 from ...data.sources import AUTO_SOURCE
 from ...workflows.requests import ScoreRequest, calibration_data
-from ..options import LoadOptions, command_inputs, command_options, data_options, model_options
+from ..options import JsonOpt, LoadOptions, command_inputs, command_options, data_options, model_options
 
 
 @model_options
 @data_options(default=AUTO_SOURCE)
 @command_options(ScoreRequest)
 def score_cmd(
+    json_out: JsonOpt = False,
     plot: Annotated[Optional[str], typer.Option(
         "--plot", help="save the heatmap as a picture, e.g. scores.png (needs matplotlib)")] = None,
     fields=None,
@@ -27,6 +28,7 @@ def score_cmd(
     Pipe it into prune: headtool score m --data d | headtool prune m --scores - --fraction 0.3 -o out
     """
     from ...console import err_console, info, result_stream
+    from ...errors import UsageError
     from ...io.files import check_output_path
     from ...measure.scores_doc import write_document
     from ...workflows.score import run_score
@@ -35,6 +37,9 @@ def score_cmd(
     req = ScoreRequest(**fields, data=data_spec or calibration_data(), load=load)
     req.validate()
     model, output = req.model, req.output
+    if json_out and output and output != "-":  # --json as every other command takes it: the document on stdout
+        raise UsageError(f"--json prints the score document on stdout and -o {output} writes it to a file: "
+                         "give one of them")
     inputs = command_inputs(model, req.data)
     if output and output != "-":
         check_output_path(output, "-o", inputs)
