@@ -485,3 +485,33 @@ def test_hub_errors_and_success_are_mapped(monkeypatch, causal):
     monkeypatch.setattr(datasets, "load_dataset", ok)
     b = make_batches(DataSpec(source="org/name", split="test", seq_len=16), causal)
     assert b.info["split"] == "test" and b.info["samples"] > 0 and b.info["text_column"] == "text"
+
+
+def test_fewer_blocks_than_asked_is_a_headtool_warning_and_can_be_held(tmp_path, causal, monkeypatch):
+    """'asked for N blocks but only M' went through `logging` with no handler: Python's last-resort
+    printer wrote it bare on stderr (no 'warning:'), outside the console the rest of stderr goes
+    through. It is console.warn now, and warnings_held() shows it after a step that returns and
+    drops it from one that raises (heal's refusal of too short a text stays one line)."""
+    from headtool import console
+
+    p = tmp_path / "corpus.txt"
+    p.write_text("\n\n".join(SENTENCES), encoding="utf-8")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    console.reset_consoles()
+    try:
+        spec = DataSpec(source=str(p), seq_len=16, max_samples=1000)
+        make_batches(spec, causal, "lm")
+        assert err.getvalue().startswith("warning: asked for 1000 blocks"), err.getvalue()
+        err.truncate(0), err.seek(0)
+        with console.warnings_held():
+            make_batches(spec, causal, "lm")
+            assert err.getvalue() == ""
+        assert err.getvalue().startswith("warning: asked for 1000 blocks"), err.getvalue()
+        err.truncate(0), err.seek(0)
+        with pytest.raises(UsageError), console.warnings_held():
+            make_batches(spec, causal, "lm")
+            raise UsageError("refused")
+        assert err.getvalue() == ""
+    finally:
+        console.reset_consoles()

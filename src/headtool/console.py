@@ -51,8 +51,29 @@ def info(msg: str) -> None:
         err_console().print(msg)
 
 
+_held: list[list[str]] = []  # warnings held back by warnings_held(), innermost last
+
+
 def warn(msg: str) -> None:
+    if _held:
+        _held[-1].append(msg)
+        return
     err_console().print(f"[yellow]warning:[/yellow] {msg}")
+
+
+@contextmanager
+def warnings_held() -> Iterator[None]:
+    """Hold warn() back while a step that may still refuse its input runs: the warnings are shown when
+    it returns and dropped when it raises (a refusal is one line; a warning about the same input before
+    it, e.g. 'asked for 16 blocks but only 9', would make it two)."""
+    _held.append([])
+    try:
+        yield
+    except BaseException:
+        _held.pop()
+        raise
+    for msg in _held.pop():
+        warn(msg)
 
 
 def result_stream(what: str = "the result", instead: str = "") -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,12 +25,12 @@ from typing import Any
 import torch
 
 from ..console import info as tell
+from ..console import warn
 from ..errors import UsageError
 from .selfgen import DEFAULT_SELF_SAMPLES, can_sample, self_blocks
 from .sources import (AUTO_OTHER, AUTO_SAMPLING, SOURCE_PATH, DataSpec, SourcePart, builtin_version, file_identity,
                       is_auto, load_source, parse_sources, self_source)
 
-log = logging.getLogger(__name__)
 
 TASKS = ("lm", "mlm", "classification", "plain")
 
@@ -149,7 +148,7 @@ def _select(n: int, chunk: int, spec: DataSpec, cap: int | None, what: str) -> t
             "lower --skip-samples (or --seq-len)"
         )
     if cap is not None and chosen.numel() < cap:
-        log.warning("asked for %d %s but only %d are available; using %d", cap, what, chosen.numel(), chosen.numel())
+        warn(f"asked for {cap} {what} but only {chosen.numel()} are available; using {chosen.numel()}")
     return torch.sort(chosen).values, "shuffled"
 
 
@@ -516,8 +515,8 @@ def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, t
         raise UsageError(f"--skip-samples {skip} leaves no data: {short.source if short else spec.source} "
                          "has no blocks after the skipped ones; lower --skip-samples (or --seq-len)")
     if short is not None and cap is not None:
-        log.warning("asked for %d blocks of %d tokens but %s ran out after %d; using %d", cap, spec.seq_len,
-                    short.source, used[parts.index(short)], len(rows))
+        warn(f"asked for {cap} blocks of {spec.seq_len} tokens but {short.source} ran out after "
+             f"{used[parts.index(short)]}; using {len(rows)}")
     ids = torch.stack(rows)
 
     split = None if mixed else (parts[0].info.get("split"))

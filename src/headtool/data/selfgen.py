@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..console import info, progress
+from ..console import info, progress, warn
 from ..errors import UsageError
 from ..model.placement import input_device
 from ..model.refs import cache_dir
@@ -334,12 +334,12 @@ def _read_cache(path: Path, settings: dict, seq_len: int) -> tuple[list[list[int
     except FileNotFoundError:
         return [], []
     except (OSError, ValueError) as e:
-        log.warning("ignoring unreadable self-calibration cache %s: %s", path, e)
+        warn(f"ignoring unreadable self-calibration cache {path}: {e}")
         return [], []
     ids, texts = doc.get("ids"), doc.get("texts")
     if (doc.get("settings") != settings or not isinstance(ids, list) or not isinstance(texts, list)
             or len(ids) != len(texts) or any(not isinstance(r, list) or len(r) != seq_len for r in ids)):
-        log.warning("ignoring self-calibration cache %s: it does not match its key", path)
+        warn(f"ignoring self-calibration cache {path}: it does not match its key")
         return [], []
     return ids, texts
 
@@ -362,7 +362,7 @@ def _write_cache(path: Path, settings: dict, ids: list[list[int]], texts: list[s
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError as e:
-        log.warning("could not write the self-calibration cache %s: %s", path, e)
+        warn(f"could not write the self-calibration cache {path}: {e}")
 
 
 # --------------------------------------------------------------------------- entry point
