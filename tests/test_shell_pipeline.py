@@ -50,3 +50,16 @@ def test_a_closed_stdout_is_refused_before_any_work(tmp_path):
     res = subprocess.run(["bash", "-c", f"{ht} info {model} >&-"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]  # without --json nothing goes to stdout
+
+
+def test_help_into_a_reader_that_stops_early_exits_0(tmp_path):
+    """`headtool prune --help | head` ended 1 (rich's broken-pipe exit) where the commands themselves end
+    0 when their reader stops: under `set -o pipefail` a script failed on reading the help."""
+    ht = f"{shlex.quote(sys.executable)} -m headtool"
+    env = {**os.environ, "NO_COLOR": "1"}
+    for args in ("--help", "prune --help", "convert-mla --help"):
+        # `true` reads nothing and is gone long before Python has started: every write meets a closed pipe
+        res = subprocess.run(["bash", "-o", "pipefail", "-c", f"{ht} {args} | true"], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert res.returncode == 0, (args, res.returncode, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr and "Exception ignored" not in res.stderr, res.stderr

@@ -281,7 +281,14 @@ def main() -> None:
     sys.argv = debug_first(sys.argv)
     if "--debug" in sys.argv[1:2]:
         _state["debug"] = True
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        # rich exits 1 when a reader closes the pipe under the help it prints (`headtool prune --help |
+        # head`); the commands end 0 there (HeadtoolGroup.invoke): the reader took what it wanted
+        if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
+            raise SystemExit(0) from None
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
