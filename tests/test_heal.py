@@ -400,6 +400,20 @@ def test_lowrank_weight_is_the_effective_weight_and_trains_the_update(family):
     assert wrapped.base.weight.grad is None  # the base stays frozen
 
 
+def test_a_lora_rank_beyond_every_projection_is_refused():
+    """--lora-rank 100000 trained (and held in memory) factors of that rank, where B @ A of a projection
+    spans nothing past the smaller side of its weight: refused above the largest projection's."""
+    from headtool.errors import UsageError
+
+    m = tiny_model("llama")
+    a = adapter_for(m.config)
+    most = max(min(p.weight.shape) for p in a.attention_module(m, 0).modules() if isinstance(p, torch.nn.Linear))
+    with pytest.raises(UsageError, match=f"--lora-rank {most + 1} is more than .*at most {most}"):
+        add_lowrank(m, [a.attention_module(m, 0)], rank=most + 1, alpha=4.0, seed=0)
+    fresh = tiny_model("llama")
+    assert add_lowrank(fresh, [a.attention_module(fresh, 0)], rank=most, alpha=4.0, seed=0)
+
+
 def test_distill_terms_and_schedule():
     opts = HealOptions(temperature=2.0, lm_weight=0.5)
     logits = torch.randn(2, 5, 11)

@@ -276,3 +276,11 @@ def test_options_heal_would_ignore_are_refused(models, tmp_path):
     line = _one_line_error(res)
     assert "--label-column" in line, line
     assert not (tmp_path / "o").exists()
+
+
+def test_a_lora_rank_past_the_projections_is_one_line(models, tmp_path):
+    """heal --train lora --lora-rank 100000 ran (about 1 GiB of factors on a tiny model) where no
+    update of a projection can use a rank past its smaller side."""
+    line = _one_line_error(_heal(models, tmp_path / "o", "--train", "lora", "--lora-rank", "100000"))
+    assert "--lora-rank 100000" in line, line
+    assert not (tmp_path / "o").exists()

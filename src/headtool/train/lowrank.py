@@ -92,6 +92,13 @@ def add_lowrank(model: nn.Module, roots: Iterable[nn.Module], rank: int, alpha: 
     g = torch.Generator().manual_seed(seed)
     targets = {id(m) for root in roots for m in root.modules() if is_projection(m)}
     found = [(n, m) for n, m in model.named_modules() if id(m) in targets and n]
+    most = max((min(m.weight.shape) for _, m in found), default=0)
+    if found and rank > most:  # B @ A of a larger rank spans nothing more, at the memory of its rank
+        from ..errors import UsageError
+
+        raise UsageError(f"--lora-rank {rank} is more than any adapted projection's update can use (at most "
+                         f"{most}, the smaller side of the largest); give --lora-rank {most} or less, or "
+                         "--train attention to train the projections themselves")
     wrapped: list[str] = []
     for full, child in found:  # named_modules order: deterministic, so resumes rebuild the same
         parent_name, _, attr = full.rpartition(".")
