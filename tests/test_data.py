@@ -434,6 +434,10 @@ def test_error_paths(tmp_path):
     x.write_text("<a/>")
     with pytest.raises(UsageError, match=r"unsupported data file type '.xml'.*\.txt, \.jsonl, \.json, \.csv"):
         load_texts(DataSpec(source=str(x)))
+    bare = tmp_path / "notes"  # every source the other messages offer, and what to do with a bare text file
+    bare.write_text("plain prose")
+    with pytest.raises(UsageError, match=r"'\(none\)'.*builtin:licenses, self\[:N\].*e\.g\. notes\.txt"):
+        load_texts(DataSpec(source=str(bare)))
     (tmp_path / "folder").mkdir()
     with pytest.raises(UsageError, match="not a datasets.save_to_disk folder"):
         load_texts(DataSpec(source=str(tmp_path / "folder")))

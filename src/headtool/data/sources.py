@@ -692,7 +692,8 @@ def _open_table(spec: DataSpec) -> _Table:
         raise UsageError(
             f"unsupported data file type '{path.suffix or '(none)'}' for {path}; supported: "
             f"{', '.join(SUPPORTED_SUFFIXES)}, a datasets.save_to_disk folder, '-' (stdin), "
-            "builtin:pydoc, or a hub dataset name[:config]"
+            "builtin:pydoc, builtin:licenses, self[:N], or a hub dataset name[:config] (a plain text file "
+            "without a suffix: give it one, e.g. notes.txt, or pipe it in with --data -)"
         )
     if _looks_like_path(source):
         raise UsageError(f"data file not found: {source}")
