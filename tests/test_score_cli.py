@@ -151,6 +151,9 @@ def test_read_scores_file_problems(tmp_path, folders):
     (["--method", "random", "--iterative", "2"], "--iterative needs a data-driven method"),
     (["--fraction", "0.3"], "go with --iterative"),
     (["--iterative", "2", "--fraction", "1.5"], "--fraction must be a number in (0, 1)"),
+    # --fraction was ignored beside --iterative-fraction; rounds past all heads ran and gated off nothing
+    (["--iterative", "2", "--fraction", "0.2", "--iterative-fraction", "0.1"], "give one of them"),
+    (["--iterative", "5", "--iterative-fraction", "0.5"], "keep their product below 1"),
     (["-o", "/nonexistent/dir/s.json"], "does not exist"),
     (["--plot", "/nonexistent/dir/s.png"], "does not exist"),
 ])

@@ -200,6 +200,14 @@ class ScoreRequest:
         if (self.fraction is not None or self.iterative_fraction is not None) and not self.iterative:
             raise UsageError("--fraction and --iterative-fraction go with --iterative K (prune takes the final "
                              "fraction)")
+        if self.fraction is not None and self.iterative_fraction is not None:  # (--fraction was ignored)
+            raise UsageError(f"--fraction {self.fraction} spreads over the rounds and --iterative-fraction "
+                             f"{self.iterative_fraction} is taken after each round: give one of them")
+        if self.iterative_fraction is not None and self.iterative * self.iterative_fraction >= 1:
+            # (the rounds past the point where one head per layer was left ran and gated off nothing)
+            raise UsageError(f"--iterative {self.iterative} rounds of --iterative-fraction {self.iterative_fraction} "
+                             f"would gate off {self.iterative * self.iterative_fraction:.0%} of the heads: keep "
+                             "their product below 1 (one head per layer always stays)")
         if self.method != "ablation":  # (it was ignored: only the ablation passes batch heads)
             refuse_unused(given(self, ("ablation_batch",)), "with --method ablation")
 
