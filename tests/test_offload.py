@@ -80,7 +80,7 @@ def test_everything_on_disk_embedding_included(llama):
 @pytest.mark.parametrize("method", ["gradient", "ablation", "magnitude"])
 def test_scores_with_the_embedding_on_disk(llama, tmp_path, monkeypatch, method):
     """It failed 'Cannot copy out of meta tensor': inputs went to the first parameter's device."""
-    plain, disk = _offloaded_and_plain(llama, tmp_path, monkeypatch, ["score", *DATA, "--method", method])
+    plain, disk = _offloaded_and_plain(llama, tmp_path, monkeypatch, ["score", *(DATA if method != "magnitude" else []), "--method", method])
     a, b = (torch.tensor(d["scores"], dtype=torch.float64) for d in (plain, disk))
     assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
 

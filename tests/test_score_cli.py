@@ -34,8 +34,10 @@ def folders(tmp_path_factory):
 
 
 def _score(folders, *extra, model=None):
-    args = ["score", str(model or folders.llama), "--data", str(folders.text), "--seq-len", "16",
-            "--max-samples", "4", "--batch-size", "2", *extra]
+    data = ["--data", str(folders.text), "--seq-len", "16", "--max-samples", "4", "--batch-size", "2"]
+    if {"magnitude", "random"} & set(extra):  # they read no data (refused)
+        data = []
+    args = ["score", str(model or folders.llama), *data, *extra]
     return runner.invoke(app, args)
 
 
@@ -95,6 +97,19 @@ def test_iterative_and_baselines_on_the_cli(folders):
     rnd1 = json.loads(_score(folders, "--method", "random", "--seed", "1").stdout)
     rnd2 = json.loads(_score(folders, "--method", "random", "--seed", "1").stdout)
     assert rnd1["scores"] == rnd2["scores"]
+
+
+@pytest.mark.parametrize("args,flags", [
+    (["--method", "magnitude", "--data", "builtin:licenses", "--max-samples", "4"], "--data, --max-samples"),
+    (["--method", "magnitude", "--objective", "kl"], "--objective"),
+    (["--method", "random", "--seed", "3", "--seq-len", "16"], "--seq-len"),
+])
+def test_data_options_with_a_method_that_reads_no_data_are_refused(folders, args, flags):
+    """They were ignored (--objective with a note): the document looked calibrated on text it never read."""
+    res = runner.invoke(app, ["score", str(folders.llama), *args])
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and line.startswith(f"error: {flags} only appl"), line
 
 
 def _doc(folders) -> dict:

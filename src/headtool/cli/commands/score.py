@@ -7,13 +7,15 @@ import typer
 
 from ...data.sources import AUTO_SOURCE
 from ...workflows.requests import ScoreRequest, calibration_data
-from ..options import JsonOpt, LoadOptions, command_inputs, command_options, data_options, model_options
+from ..options import (JsonOpt, LoadOptions, command_inputs, command_options, data_option_names, data_options,
+                       given_options, model_options)
 
 
 @model_options
 @data_options(default=AUTO_SOURCE)
 @command_options(ScoreRequest)
 def score_cmd(
+    ctx: typer.Context,
     json_out: JsonOpt = False,
     plot: Annotated[Optional[str], typer.Option(
         "--plot", help="save the heatmap as a picture, e.g. scores.png (needs matplotlib)")] = None,
@@ -36,6 +38,7 @@ def score_cmd(
 
     req = ScoreRequest(**fields, data=data_spec or calibration_data(), load=load)
     req.validate()
+    _refuse_data_options(ctx, req.method)
     model, output = req.model, req.output
     if json_out and output and output != "-":  # --json as every other command takes it: the document on stdout
         raise UsageError(f"--json prints the score document on stdout and -o {output} writes it to a file: "
@@ -68,6 +71,19 @@ def score_cmd(
     write_document(doc, output)
     if output and output != "-":
         info(f"scores written to {output}")
+
+
+def _refuse_data_options(ctx: typer.Context, method: str) -> None:
+    """magnitude reads the weights alone and random only --seed: a data option or --objective given to
+    them was ignored, and the document looked calibrated on text it never read."""
+    from ...measure.scoring import DATA_METHODS
+    from ...workflows.requests import refuse_unused
+
+    if method in DATA_METHODS:
+        return
+    unused = given_options(ctx, (data_option_names() | {"objective"}) - ({"seed"} if method == "random" else set()))
+    refuse_unused(unused, f"with a data-driven --method ({', '.join(DATA_METHODS)}); --method {method} reads "
+                  + ("no data" if method == "magnitude" else "only --seed"))
 
 
 def _fmt_for(matrix) -> str:
