@@ -80,11 +80,13 @@ def test_eval_starts_after_the_fitted_blocks_and_marks_the_in_domain_model(prune
     assert f"after its first {n}" in shown and "* fitted on builtin:pydoc's domain" in shown
 
 
-def test_an_explicit_skip_inside_the_fitted_blocks_is_kept_and_warned_about(pruned):
+@pytest.mark.parametrize("skip", [3, 0])
+def test_an_explicit_skip_inside_the_fitted_blocks_is_kept_and_warned_about(pruned, skip):
+    """--skip-samples 0 typed was read as the default: the blocks started after the fitted ones all the same."""
     src, out = pruned
     n = _fitted(out, "builtin:pydoc")
-    doc, err = _eval(src, out, "--data", "builtin:pydoc", "--max-samples", "2", "--skip-samples", "3", *BLOCKS)
-    assert doc["data"]["skip_samples"] == 3
+    doc, err = _eval(src, out, "--data", "builtin:pydoc", "--max-samples", "2", "--skip-samples", skip, *BLOCKS)
+    assert doc["data"]["skip_samples"] == skip and "starting after" not in err
     assert "flatters" in err and f"--skip-samples {n} starts after them" in err
 
 

@@ -247,7 +247,8 @@ def eval_cmd(
     from ..workflows.evaluate import run_eval
     from .render import eval_table
 
-    result = run_eval(EvalRequest(**fields, data=data_spec or DataSpec(), load=load))
+    result = run_eval(EvalRequest(**fields, data=data_spec or DataSpec(), load=load),
+                      skip_given=bool(given_options(ctx, {"skip_samples"})))
     err_console().print(eval_table(result))
     if json_out:
         print_json(result)

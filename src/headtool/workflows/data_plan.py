@@ -215,11 +215,12 @@ class EvalCut:
         return self.spec.skip_samples < self.needed
 
 
-def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> EvalCut:
+def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None], *, skip_given: bool = False) -> EvalCut:
     """`spec` started after every block any model was fitted on of its source with the same block
     length and seed, unless --skip-samples says where to start; which models were fitted on one of its
     sources; and which read its source with another block length or seed (those blocks cannot be
-    skipped exactly: the text may overlap)."""
+    skipped exactly: the text may overlap). skip_given: --skip-samples was typed (0 included: it was
+    read as the default and moved past the fitted blocks, the user asking for the start)."""
     names = {spec.source, *(p.source for p in parse_sources(spec.source))}
     identity = file_identity(spec.source)  # a local file: its records match however its path was typed
     needed, read_by, other = 0, [], []
@@ -234,6 +235,6 @@ def evaluation_cut(spec: DataSpec, records: dict[str, list[dict] | None]) -> Eva
             group = read_by if same_cut else other
             if ref not in group:
                 group.append(ref)
-    if spec.skip_samples == 0 and needed:
+    if spec.skip_samples == 0 and needed and not skip_given:
         spec = replace(spec, skip_samples=needed)
     return EvalCut(spec, needed, tuple(read_by), in_domain, tuple(other))

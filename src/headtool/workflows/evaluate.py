@@ -45,8 +45,9 @@ class SpeedRequest:
     load: LoadOptions = field(default_factory=LoadOptions)
 
 
-def run_eval(req: EvalRequest) -> dict[str, Any]:
-    """Evaluate every model on the batches built once with the first model's tokenizer.
+def run_eval(req: EvalRequest, *, skip_given: bool = False) -> dict[str, Any]:
+    """Evaluate every model on the batches built once with the first model's tokenizer; skip_given:
+    --skip-samples was typed, so the blocks start where it says even at 0 (evaluation_cut).
 
     Models are loaded one at a time so that only one is in memory.
     """
@@ -69,7 +70,8 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
             if lm.tokenizer is None:
                 raise UsageError(f"{ref}: no tokenizer files beside the model")
             first_tok = lm.tokenizer
-            cut = evaluation_cut(resolve_auto(spec, lm.tokenizer, lm, DATA_TASK[resolved]), records)
+            cut = evaluation_cut(resolve_auto(spec, lm.tokenizer, lm, DATA_TASK[resolved]), records,
+                                 skip_given=skip_given)
             _say_cut(cut)
             batches = make_batches(cut.spec, lm.tokenizer, DATA_TASK[resolved], model=lm)  # self: the first model's
         elif not tokenizers_agree(first_tok, lm.tokenizer):
