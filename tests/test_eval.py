@@ -99,3 +99,25 @@ def test_eval_gives_each_gap_from_the_first_model_its_paired_standard_error(tmp_
     single = runner.invoke(app, ["eval", str(a), str(b), "--data", str(pydoc_text), "--seq-len", "32",
                                  "--max-samples", "1", "--json"])
     assert single.exit_code == 0 and "loss_delta_se" not in json.loads(single.stdout)["results"][1]
+
+
+def test_a_classifiers_token_count_is_its_text_not_the_padding(tmp_path):
+    """results[].tokens counted every padded position (2048 for 16 examples of about 10 tokens at
+    --seq-len 128) beside data.tokens' 160: the same command gave two token counts for one text."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tiny_models import tiny_config, tokenizer_for
+
+    data = tmp_path / "lab.csv"
+    data.write_text("text,label\n" + "\n".join(f"the river number {i} ran past the mill,{i % 2}"
+                                                for i in range(40)) + "\n")
+    classifier = tmp_path / "classifier"
+    AutoModelForSequenceClassification.from_config(tiny_config("bert", num_labels=2)).save_pretrained(classifier)
+    tokenizer_for("bert").save_pretrained(classifier)
+    r = runner.invoke(app, ["eval", str(classifier), "--data", str(data), "--label-column", "label",
+                            "--max-samples", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    res = doc["results"][0]
+    assert res["examples"] == 16 and 0 <= res["accuracy"] <= 1
+    assert res["tokens"] == doc["data"]["tokens"] < 16 * 128

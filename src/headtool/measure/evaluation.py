@@ -46,7 +46,8 @@ def evaluate(model, batches: Sequence[dict], objective: str, *, label: str = "ev
             if objective == "classification":
                 correct += int((logits.argmax(-1).view(-1) == b["labels"].view(-1)).sum())
                 count += b["labels"].numel()
-            tokens += int(b["input_ids"].numel())
+            mask = b.get("attention_mask")  # (classification examples are padded: the padding is no text)
+            tokens += int(mask.sum()) if mask is not None else int(b["input_ids"].numel())
             rate = tokens / max(time.perf_counter() - t0, 1e-9)
             bar.update(task, advance=1, rate=f"{rate:,.0f} tok/s")
     loss = total / max(weight, 1.0)
