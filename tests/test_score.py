@@ -256,6 +256,11 @@ def test_iterative_records_removal_order_and_scores_agree_with_it():
     assert res.rounds[1]["raw_scores"][order[0][0]][order[0][1]] is None
     with pytest.raises(UsageError, match="iterative"):
         score_heads(model, adapter, None, method="random", iterative=2)
+    # 0.9 of 12 heads is 11, but 3 layers keep a head each: the last round gated off fewer, silently
+    with pytest.raises(UsageError, match="at most 9 can go; lower --fraction"):
+        score_heads(model, adapter, batches, method="ablation", objective="lm", iterative=2, fraction=0.9)
+    with pytest.raises(UsageError, match="at most 9 can go; lower --iterative-fraction"):
+        score_heads(model, adapter, batches, method="gradient", objective="lm", iterative=3, iterative_fraction=0.3)
 
 
 def test_removal_counts():

@@ -533,6 +533,13 @@ def score_heads(
     n_rounds = iterative or 1
     counts = removal_counts(sum(g.num_heads for g in geometry), n_rounds, fraction, iterative_fraction) \
         if iterative else [0]
+    gateable = sum(max(g.num_heads - 1, 0) for g in geometry)  # weakest_heads keeps one head per layer
+    if sum(counts) > gateable:  # (the last rounds gated off fewer heads than asked, or none, and said nothing)
+        asked = f"--iterative-fraction {iterative_fraction}" if iterative_fraction is not None else \
+            f"--fraction {0.5 if fraction is None else fraction}"
+        raise UsageError(f"--iterative {iterative} with {asked} gates off {sum(counts)} of the "
+                         f"{sum(g.num_heads for g in geometry)} heads, but one head per layer stays: at most "
+                         f"{gateable} can go; lower {asked.split()[0]}")
     alive = [[True] * g.num_heads for g in geometry]
     last_raw: Matrix = [[0.0] * g.num_heads for g in geometry]
     order: list[list[int]] = []
