@@ -180,6 +180,14 @@ def test_bad_input_exits_2_with_one_line(folders, args, message):
     assert "Traceback" not in res.stderr and res.stdout == ""
 
 
+def test_the_heatmap_and_the_document_in_one_file_are_refused(folders, tmp_path, monkeypatch):
+    """-o same.png --plot ./same.png saved the heatmap, then wrote the document over it, reporting both."""
+    monkeypatch.chdir(tmp_path)
+    res = _score(folders, "--method", "magnitude", "-o", "same.png", "--plot", str(tmp_path / "same.png"))
+    assert res.exit_code == 2 and "are the same file" in res.stderr, res.output
+    assert not (tmp_path / "same.png").exists()
+
+
 def test_missing_matplotlib_is_a_usage_error_naming_pip(monkeypatch):
     from headtool.cli import plotting
 

@@ -51,7 +51,10 @@ def score_cmd(
     if plot:
         from ..plotting import check_plot_file
 
-        check_plot_file(plot, inputs)  # needs matplotlib, and a format it writes
+        picture = check_plot_file(plot, inputs)  # needs matplotlib, and a format it writes
+        if output and output != "-" and picture.expanduser().resolve() == check_output_path(output, "-o").resolve():
+            # (the heatmap was saved, then the document written over it, both reported)
+            raise UsageError(f"--plot {plot} and -o {output} are the same file: give each its own")
     run = run_score(req)
     if run.document is None:
         return  # not rank 0 of a distributed run
