@@ -127,6 +127,13 @@ def _check_eval_samples(request) -> None:
         refuse_unused(given(request, ("eval_samples",)), "with --eval-data (it counts its blocks)")
 
 
+def _check_no_heldout(request) -> None:
+    """--heldout-samples 0 takes no held-out blocks (convert-gqa, convert-mla): --heldout-data, the
+    source they would come from, is then read by nothing (it was accepted and recorded as null)."""
+    if request.heldout_samples == 0:
+        refuse_unused(given(request, ("heldout_data",)), "with held-out blocks, which --heldout-samples 0 turns off")
+
+
 def _check_streaming(request) -> None:
     """--streaming builds no model: it reads and writes tensors file to file, on this machine's CPU.
     Options that place a model (--device, --device-map, --max-memory, --sequential) would do nothing;
@@ -415,6 +422,13 @@ class ConvertRequest:
         if not self.reads_data:
             refuse_unused(given(self, ("heldout_samples", "heldout_data")),
                            f"to a conversion that calibrates: {reads_no_data(recipe=False)}")
+        _check_no_heldout(self)
+        if len(self.methods) > 1 and self.heldout_samples == 0 and self.eval_data is None:
+            from ..errors import UsageError
+
+            raise UsageError(f"--merge {','.join(self.methods)}: the merges are compared on held-out blocks (or "
+                             "--eval-data), and --heldout-samples 0 leaves none: give one method, held-out blocks "
+                             "or --eval-data")
         _check_eval_samples(self)
         _check_streaming(self)
 
@@ -506,6 +520,7 @@ class LatentRequest:
         if not self.refit:
             refuse_unused(given(self, ("anchor", "heldout_samples", "heldout_data")),
                            "to the output-projection refit, which --no-refit turns off")
+        _check_no_heldout(self)
         _check_eval_samples(self)
         if self.rope_dim is not None and self.rope_dim % 2:
             raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
