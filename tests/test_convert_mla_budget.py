@@ -82,6 +82,27 @@ def test_a_budget_converts_a_prune_that_left_layers_different_kv_heads(tmp_path,
         assert doc["kv_rank"] == [36, 32, 36]
 
 
+def test_one_kv_rank_on_a_prune_that_left_layers_different_kv_heads(tmp_path):
+    """--rank-allocation uniform's help: the same kv_rank in every layer, or a layer's full rank where that is
+    less. --kv-rank 64 on GPT-2 pruned to 3 / 2 / 4 heads (full ranks 48, 32, 64) was refused as 'must be
+    between 1 and 48 in layer 0', so no --kv-rank could convert every layer exactly; it is full rank
+    everywhere now (the output equals the source), and only a rank above every layer's is refused."""
+    src = save_tiny("gpt2", tmp_path / "src")
+    pruned = tmp_path / "pruned"
+    assert runner.invoke(app, ["prune", str(src), "--heads", "0:0;1:1,2", "-o", str(pruned)]).exit_code == 0
+    common = ["--max-samples", "4", "--seq-len", "16", "--no-refit", "--eval-data", "builtin:licenses",
+              "--eval-samples", "2"]
+    r = runner.invoke(app, ["convert-mla", str(pruned), "--kv-rank", "64", *common, "-o", str(tmp_path / "mla"),
+                            "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["kv_rank"] == [48, 32, 64]
+    assert doc["eval_after"]["loss"] == pytest.approx(doc["eval_before"]["loss"], abs=1e-4)
+    r = runner.invoke(app, ["convert-mla", str(pruned), "--kv-rank", "65", *common, "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "--kv-rank 65: must be between 1 and 64" in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_ratio_is_an_exact_budget_where_its_decimal_falls_short(tmp_path):
     """--kv-cache 1/3 is a third of the cache to the byte; 0.3333 is a little less (never exceeded)."""
     src = save_tiny("llama", tmp_path / "src")

@@ -90,10 +90,19 @@ def check_latent_target(adapter: Adapter, config, geometry: Sequence[LayerHeads]
     elif rope_dim < 2 or rope_dim % 2 or rope_dim > max_rope:
         raise UsageError(f"--rope-dim {rope_dim}: must be even, at least 2 and at most the rotary dims of all KV "
                          f"heads of a layer ({max_rope})")
-    ranks = [int(kv_rank)] * len(geometry) if isinstance(kv_rank, int) else [int(r) for r in kv_rank]
+    tops = [latent_dims(g, r, rope_dim) for g, r in zip(geometry, rot)]
+    if isinstance(kv_rank, int):  # one rank for every layer: a layer whose full rank is less keeps its full rank
+        if not 1 <= kv_rank <= max(tops):
+            big = max(range(len(geometry)), key=tops.__getitem__)
+            g = geometry[big]
+            where = "" if len(set(tops)) == 1 else f" (layer {big}'s; a layer whose full rank is less keeps it)"
+            raise UsageError(f"--kv-rank {kv_rank}: must be between 1 and {tops[big]} (full rank with --rope-dim "
+                             f"{rope_dim}: K and V of {g.num_kv_heads} KV heads x {g.head_dim} dims, less the "
+                             f"rotary key, which is exact){where}")
+        return [min(int(kv_rank), top) for top in tops]
+    ranks = [int(r) for r in kv_rank]
     if len(ranks) != len(geometry):
         raise UsageError(f"--kv-rank: {len(ranks)} values for {len(geometry)} layers")
-    tops = [latent_dims(g, r, rope_dim) for g, r in zip(geometry, rot)]
     for i, (r, g) in enumerate(zip(ranks, geometry)):
         if r < 1 or r > tops[i]:
             where = "" if len(set(tops)) == 1 else f" in layer {i}"
