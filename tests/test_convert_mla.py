@@ -686,3 +686,15 @@ def test_head_surgery_on_a_latent_model_is_refused_up_front(tmp_path):
         r = runner.invoke(app, args)
         assert r.exit_code == 2 and "latent attention" in r.stderr and "k_proj" not in r.stderr, (args, r.stderr)
         assert not out.exists()
+
+
+def test_heldout_data_help_names_no_merge():
+    """convert-mla --help said the held-out data chooses 'each layer's refit and the merge': convert-mla
+    merges nothing (convert-gqa's wording); it chooses each layer's refit."""
+    from headtool.optionspec import options_of
+    from headtool.workflows.requests import ConvertRequest, LatentRequest
+
+    helps = {cls: next(o.meta["help"] for o in options_of(cls) if o.name == "heldout_data")
+             for cls in (LatentRequest, ConvertRequest)}
+    assert "merge" not in helps[LatentRequest] and "each layer's refit is chosen" in helps[LatentRequest]
+    assert "the merge" in helps[ConvertRequest]

@@ -46,8 +46,15 @@ ANCHOR_HELP = ("how hard each refit is pulled toward the weights without a refit
                "inf), chosen per layer on the held-out blocks")
 #: the candidates of --anchor auto (tests check them against surgery.compensation.ANCHOR_GRID)
 ANCHOR_GRID = (0.0, 0.01, 0.1, 1.0, 10.0, float("inf"))
-HELDOUT_DATA_HELP = ("held-out data of ANOTHER source on which each layer's refit and the merge are chosen "
-                     "(what generalizes beyond --data); default: the blocks of --data after the calibration")
+
+
+def heldout_data_help(chosen: str = "each layer's refit and the merge are chosen") -> str:
+    """--heldout-data's help, saying what the held-out blocks choose in this command."""
+    return (f"held-out data of ANOTHER source on which {chosen} (what generalizes beyond --data); default: the "
+            "blocks of --data after the calibration")
+
+
+HELDOUT_DATA_HELP = heldout_data_help()
 METHOD_HELP = ("gradient (default, Michel et al.) | ablation (exact loss increase) | taylor (TextPruner) | "
                "fisher (Kwon et al.) | magnitude (weights, no data) | random (seeded baseline)")
 MODEL_HELP = ("a local Hugging Face folder, a .gguf file, a packaged model "
@@ -493,7 +500,7 @@ class LatentRequest:
     anchor: str = option("1", ANCHOR_HELP)
     heldout_samples: int | None = option(None, "held-out blocks on which each refit (its anchor, or none) is chosen "
                                          f"(default: {HELDOUT_DEFAULT})", min=0)
-    heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP)
+    heldout_data: str | DataSpec | None = option(None, heldout_data_help("each layer's refit is chosen"))
     eval_data: str | DataSpec | None = _conversion_eval_data()
     eval_samples: int = _conversion_eval_samples()
     overwrite: bool = _overwrite()
