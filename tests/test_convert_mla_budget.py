@@ -308,3 +308,18 @@ def test_inspect_reads_latent_attention_exactly(family, tmp_path):
     else:
         assert a["kv_groups"]["group_size"] == [geo.num_heads // geo.num_kv_heads] * 3
     assert b["model"]["kv_rank"] == rank
+
+
+@pytest.mark.parametrize("family,rope_dim,least", [("llama", None, "9/96"), ("gpt2", None, "3/192"),
+                                                    ("llama", "4", "15/96")])
+def test_a_budget_too_small_names_the_least_that_fits(tmp_path, family, rope_dim, least):
+    """--kv-cache 0.001 said 'raise --kv-cache or lower --rope-dim' where --rope-dim was the default 2 (the
+    least RoPE allows) or 0 (GPT-2, no RoPE): no lower value exists. It names the least budget that fits,
+    and --rope-dim only where a lower one is allowed."""
+    src = save_tiny(family, tmp_path / "src")
+    r = runner.invoke(app, ["convert-mla", str(src), "--kv-cache", "0.001",
+                            *(["--rope-dim", rope_dim] if rope_dim else []), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.stderr
+    assert f"raise --kv-cache to at least {least}" in r.stderr, r.stderr
+    assert ("lower --rope-dim" in r.stderr) == (rope_dim is not None), r.stderr
+    assert not (tmp_path / "out").exists()

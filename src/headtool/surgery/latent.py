@@ -392,9 +392,11 @@ def ranks_for_budget(geometry: Sequence[LayerHeads], fraction: float, rope_dim: 
     total = budget_dims(geometry, fraction) - n * rope_dim
     if total < n:
         today = sum(2 * g.num_kv_heads * g.head_dim for g in geometry)
+        need = n * (rope_dim + 1)  # (a rotary key of 2 dims is the least RoPE allows, 0 without RoPE)
         raise UsageError(f"--kv-cache {fraction:g}: {budget_dims(geometry, fraction)} cache dims per token for "
                          f"{n} layers cannot hold --rope-dim {rope_dim} plus a latent of at least 1 in every layer "
-                         f"(today {today}); raise --kv-cache or lower --rope-dim")
+                         f"(today {today}); raise --kv-cache to at least {need}/{today}"
+                         + (" or lower --rope-dim" if rope_dim > 2 else ""))
     tops = [latent_dims(g, 0, rope_dim) for g in geometry]
     if allocation == "uniform":
         return [min(total // n, top) for top in tops]
