@@ -93,3 +93,22 @@ def test_the_cli_default_anchor_is_the_library_default():
 
     assert parse_anchor(PruneRequest("m").anchor) == parse_anchor(ConvertRequest("m", 1).anchor) == DEFAULT_ANCHOR
     assert CLI_GRID == ANCHOR_GRID and math.isinf(parse_anchor("auto")[-1])
+
+
+@pytest.mark.parametrize("command,extra", [("convert-mla", ["--kv-rank", "4"]), ("convert-gqa", ["--kv-heads", "1"]),
+                                           ("convert-gqa", ["--kv-heads", "1", "--heldout-data", "SHORT"])])
+def test_a_calibration_that_reads_all_of_data_leaves_no_held_out_blocks(setup, tmp_path, command, extra):
+    """--data with fewer blocks than the calibration asks: the held-out blocks (after the calibration's)
+    were refused as '--skip-samples 6 leaves no data ... lower --skip-samples', an option nobody gave,
+    after a 'using 6' warning (two lines). One line now saying what ran out and what to do."""
+    _, src, _ = setup
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat and the dog lay by the door " * 2)
+    args = [a if a != "SHORT" else str(short) for a in extra]
+    r = _run(command, src, *args, "--data", short, "--seq-len", 4, "-o", tmp_path / "out")
+    assert r.exit_code == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "the calibration reads every one, so none are left for the held-out blocks" in lines[0], lines
+    assert "--skip-samples" not in lines[0]
+    assert not (tmp_path / "out").exists()

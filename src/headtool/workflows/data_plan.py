@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..console import info
+from ..console import info, warnings_held
 from ..data.batches import Batches, evaluation_reads, leading_blocks, make_batches, mixture_schedule
 from ..data.sources import DataSpec, file_identity, parse_sources, self_source, source_key
 from ..errors import UsageError
@@ -173,6 +173,18 @@ class CalibrationBlocks:
     used: int = 0
 
 
+def _refuse_read_whole(cal: dict, spec: DataSpec, used: int) -> None:
+    """A usage error where the calibration read every block of --data that the held-out blocks were to
+    come after (make_batches would blame a --skip-samples nobody gave)."""
+    available = cal.get("available_samples")
+    if cal.get("corpus_fully_read") and isinstance(available, int) and available <= used:
+        skipped = f" after --skip-samples {spec.skip_samples}" if spec.skip_samples else ""
+        raise UsageError(f"--data {spec.source} gives {available} blocks of {spec.seq_len} tokens and the "
+                         f"calibration reads every one{skipped}, so none are left for the held-out blocks: give "
+                         f"more text, --max-samples below {cal['samples']} or a lower "
+                         "--seq-len, held-out text with --heldout-data, or --heldout-samples 0")
+
+
 def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *, calibrate: bool,
                        hold_out: bool, heldout_samples: int | None, heldout_data: str | DataSpec | None,
                        eval_data: str | DataSpec | None, eval_samples: int) -> CalibrationBlocks:
@@ -182,9 +194,13 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
     from. convert-gqa and convert-mla (and their recipe steps) cut their data here."""
     out = CalibrationBlocks()
     if calibrate:
-        out.cal = make_batches(spec, tokenizer, task, model=model)
-        out.used = spec.skip_samples + out.cal.info["samples"]
-        n_held = heldout_samples if heldout_samples is not None else max(4, out.cal.info["samples"] // 4)
+        with warnings_held():  # 'only 6 of 64 blocks' is dropped where the line below refuses the same text
+            out.cal = make_batches(spec, tokenizer, task, model=model)
+            out.used = spec.skip_samples + out.cal.info["samples"]
+            n_held = heldout_samples if heldout_samples is not None else max(4, out.cal.info["samples"] // 4)
+            if hold_out and n_held > 0 and (heldout_data is None or isinstance(heldout_data, str)
+                                            and same_source_name(heldout_data, spec.source)):
+                _refuse_read_whole(out.cal.info, spec, out.used)
         if hold_out and n_held > 0:
             hspec = heldout_spec(spec, heldout_data, n_held, out.used)
             out.held = make_batches(hspec, tokenizer, task, model=model)
