@@ -112,3 +112,18 @@ def test_a_calibration_that_reads_all_of_data_leaves_no_held_out_blocks(setup, t
     assert "the calibration reads every one, so none are left for the held-out blocks" in lines[0], lines
     assert "--skip-samples" not in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command,extra", [("convert-gqa", ["--kv-heads", "1", "--max-samples", "8"]),
+                                           ("convert-mla", ["--kv-rank", "4", "--max-samples", "11", "--no-refit"])])
+def test_eval_data_of_the_same_source_with_nothing_left(setup, tmp_path, command, extra):
+    """--eval-data on --data's source starts after the calibration (and held-out) blocks: where they read all
+    of it, the refusal named '--skip-samples 6', which nobody gave, after a warning; one line now."""
+    _, src, _ = setup
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat and the dog lay by the door " * 2)
+    r = _run(command, src, *extra, "--data", short, "--seq-len", 4, "--eval-data", short, "-o", tmp_path / "out")
+    assert r.exit_code == 2, r.stderr
+    assert "warning" not in r.stderr and "--skip-samples" not in r.stderr, r.stderr
+    assert "so none are left to evaluate on" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

@@ -192,15 +192,23 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
     (None: a quarter of the calibration, at least 4; when `hold_out`), and `eval_samples` blocks of
     `eval_data` after both when it is the same source. `model` is what `self` text is sampled
     from. convert-gqa and convert-mla (and their recipe steps) cut their data here."""
+    with warnings_held():  # 'only 6 of 64 blocks' is dropped where a line below refuses the same text
+        return _calibration_blocks(spec, tokenizer, task, model, calibrate=calibrate, hold_out=hold_out,
+                                   heldout_samples=heldout_samples, heldout_data=heldout_data,
+                                   eval_data=eval_data, eval_samples=eval_samples)
+
+
+def _calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *, calibrate: bool,
+                        hold_out: bool, heldout_samples: int | None, heldout_data: str | DataSpec | None,
+                        eval_data: str | DataSpec | None, eval_samples: int) -> CalibrationBlocks:
     out = CalibrationBlocks()
     if calibrate:
-        with warnings_held():  # 'only 6 of 64 blocks' is dropped where the line below refuses the same text
-            out.cal = make_batches(spec, tokenizer, task, model=model)
-            out.used = spec.skip_samples + out.cal.info["samples"]
-            n_held = heldout_samples if heldout_samples is not None else max(4, out.cal.info["samples"] // 4)
-            if hold_out and n_held > 0 and (heldout_data is None or isinstance(heldout_data, str)
-                                            and same_source_name(heldout_data, spec.source)):
-                _refuse_read_whole(out.cal.info, spec, out.used)
+        out.cal = make_batches(spec, tokenizer, task, model=model)
+        out.used = spec.skip_samples + out.cal.info["samples"]
+        n_held = heldout_samples if heldout_samples is not None else max(4, out.cal.info["samples"] // 4)
+        if hold_out and n_held > 0 and (heldout_data is None or isinstance(heldout_data, str)
+                                        and same_source_name(heldout_data, spec.source)):
+            _refuse_read_whole(out.cal.info, spec, out.used)
         if hold_out and n_held > 0:
             hspec = heldout_spec(spec, heldout_data, n_held, out.used)
             out.held = make_batches(hspec, tokenizer, task, model=model)
@@ -209,6 +217,13 @@ def calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *,
         info(f"calibrating on {out.cal.info['samples']} blocks of {spec.seq_len} tokens from {spec.source}"
              + (f" ({out.held.info['samples']} held out from {out.held.info.get('source')})" if out.held else ""))
     if eval_data:
+        if out.cal is not None and isinstance(eval_data, str) and same_source_name(eval_data, spec.source):
+            available = out.cal.info.get("available_samples")
+            if out.cal.info.get("corpus_fully_read") and isinstance(available, int) and available <= out.used:
+                read = "calibration and held-out blocks read" if out.held else "calibration reads"
+                raise UsageError(f"--eval-data {eval_data}: --data gives {available} blocks of {spec.seq_len} tokens "
+                                 f"and the {read} every one, so none are left to evaluate on: give more text, "
+                                 "a lower --max-samples or --seq-len, or another --eval-data source")
         espec = eval_spec(spec, eval_data, eval_samples, out.used, out.held)[0]
         with evaluation_reads():
             out.ev = make_batches(espec, tokenizer, task, model=model)
