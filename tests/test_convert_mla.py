@@ -692,9 +692,11 @@ def test_heldout_data_help_names_no_merge():
     """convert-mla --help said the held-out data chooses 'each layer's refit and the merge': convert-mla
     merges nothing (convert-gqa's wording); it chooses each layer's refit."""
     from headtool.optionspec import options_of
-    from headtool.workflows.requests import ConvertRequest, LatentRequest
+    from headtool.workflows.requests import ConvertRequest, LatentRequest, PruneRequest
 
     helps = {cls: next(o.meta["help"] for o in options_of(cls) if o.name == "heldout_data")
-             for cls in (LatentRequest, ConvertRequest)}
+             for cls in (LatentRequest, ConvertRequest, PruneRequest)}
     assert "merge" not in helps[LatentRequest] and "each layer's refit is chosen" in helps[LatentRequest]
     assert "the merge" in helps[ConvertRequest]
+    # prune merges nothing either: its held-out blocks choose the refit and compare --normalize modes
+    assert "merge" not in helps[PruneRequest] and "--normalize mode" in helps[PruneRequest]

@@ -302,7 +302,8 @@ class PruneRequest:
     heldout_samples: int = option(0, "held-out blocks on which each layer's refit is chosen (its anchor, or "
                                   f"none); 0: no check, unless --heldout-data (then {HELDOUT_DEFAULT})",
                                   min=0, panel=_C)
-    heldout_data: str | DataSpec | None = option(None, HELDOUT_DATA_HELP, panel=_C)
+    heldout_data: str | DataSpec | None = option(None, heldout_data_help(
+        "each layer's refit (and the --normalize mode, when several are compared) is chosen"), panel=_C)
     eval_data: str | DataSpec | None = option(None, "measure loss / perplexity before and after on this data "
                                               "(held out from --data when it is the same source)", panel=_E)
     eval_samples: int = option(32, "blocks for --eval-data", min=1, panel=_E)
