@@ -226,6 +226,21 @@ def test_text_too_short_for_the_held_out_blocks_names_eval_samples(models, tmp_p
     assert res.exit_code == 2 and "--eval-samples" in res.stderr and "--skip-samples" not in res.stderr, res.output
 
 
+def test_held_out_blocks_that_take_the_whole_text_are_refused_like_too_few(models, tmp_path):
+    """--eval-samples equal to the blocks the text gives is not 'short', but the held-out blocks read
+    all of it: the same line as too short (training would start past the end)."""
+    short = tmp_path / "short.txt"
+    short.write_text(models.text.read_text()[:200])
+    args = ["heal", str(models.student), "--teacher", str(models.teacher), "--data", str(short), "--seq-len", "16",
+            "-o", str(tmp_path / "o")]
+    line = _one_line_error(runner.invoke(app, args))
+    blocks = int(line.split(" gives ")[1].split()[0])
+    line = _one_line_error(runner.invoke(app, args + ["--eval-samples", str(blocks)]))
+    assert f"gives {blocks} blocks" in line and "--eval-samples" in line and "--skip-samples" not in line, line
+    res = runner.invoke(app, args + ["--eval-samples", str(blocks - 1), "--max-steps", "1", "--batch-size", "1"])
+    assert res.exit_code == 0, res.output
+
+
 def test_overwrite_never_deletes_a_folder_of_the_user_named_like_the_training_state(models, tmp_path):
     """--overwrite discards an unfinished training state, OUT.heal-state/: a folder of the user's that
     bears that name (here a model) was deleted with it, whatever it held."""

@@ -173,11 +173,22 @@ class CalibrationBlocks:
     used: int = 0
 
 
+def blocks_all_read(read_info: dict, used: int) -> int | None:
+    """How many blocks the source gives, where a read (its `Batches.info`) went through the whole source
+    and the first `used` of its blocks take all of them, so nothing is left to read after them; else None.
+    The calibration, held-out and heal cuts refuse with their own line on it (make_batches would blame a
+    --skip-samples nobody gave)."""
+    available = read_info.get("available_samples")
+    if read_info.get("corpus_fully_read") and isinstance(available, int) and available <= used:
+        return available
+    return None
+
+
 def _refuse_read_whole(cal: dict, spec: DataSpec, used: int) -> None:
     """A usage error where the calibration read every block of --data that the held-out blocks were to
-    come after (make_batches would blame a --skip-samples nobody gave)."""
-    available = cal.get("available_samples")
-    if cal.get("corpus_fully_read") and isinstance(available, int) and available <= used:
+    come after."""
+    available = blocks_all_read(cal, used)
+    if available is not None:
         skipped = f" after --skip-samples {spec.skip_samples}" if spec.skip_samples else ""
         raise UsageError(f"--data {spec.source} gives {available} blocks of {spec.seq_len} tokens and the "
                          f"calibration reads every one{skipped}, so none are left for the held-out blocks: give "
@@ -218,8 +229,8 @@ def _calibration_blocks(spec: DataSpec, tokenizer: Any, task: str, model: Any, *
              + (f" ({out.held.info['samples']} held out from {out.held.info.get('source')})" if out.held else ""))
     if eval_data:
         if out.cal is not None and isinstance(eval_data, str) and same_source_name(eval_data, spec.source):
-            available = out.cal.info.get("available_samples")
-            if out.cal.info.get("corpus_fully_read") and isinstance(available, int) and available <= out.used:
+            available = blocks_all_read(out.cal.info, out.used)
+            if available is not None:
                 read = "calibration and held-out blocks read" if out.held else "calibration reads"
                 raise UsageError(f"--eval-data {eval_data}: --data gives {available} blocks of {spec.seq_len} tokens "
                                  f"and the {read} every one, so none are left to evaluate on: give more text, "

@@ -30,7 +30,7 @@ from ..train.healing import (
     state_folder,
     use_bf16,
 )
-from .data_plan import part_blocks, same_source_name
+from .data_plan import blocks_all_read, part_blocks, same_source_name
 from .requests import HealRequest
 
 
@@ -88,11 +88,11 @@ def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, worl
 def _held_out_batches(held_spec, tokenizer, data_task: str, teacher, req: HealRequest, data, train_spec):
     """The held-out batches, or a usage error where they leave no training text."""
     held = make_batches(held_spec, tokenizer, data_task, model=teacher)
-    available = held.info.get("available_samples")
     short = held.info.get("samples", 0) < (held_spec.max_samples or 0)  # the text ran out within them
-    if req.eval_data is None and (short or held.info.get("corpus_fully_read") and available is not None
-                                  and available <= train_spec.skip_samples):
+    read_whole = blocks_all_read(held.info, train_spec.skip_samples)
+    if req.eval_data is None and (short or read_whole is not None):
         # training skips the held-out blocks: make_batches would blame a --skip-samples nobody gave
+        available = held.info.get("available_samples")
         available = available if isinstance(available, int) else data.skip_samples + held.info.get("samples", 0)
         skipped = f" after --skip-samples {data.skip_samples}" if data.skip_samples else ""
         raise UsageError(f"--data {data.source} gives {available} blocks of {data.seq_len} tokens, and the "
