@@ -71,6 +71,20 @@ def test_every_step_order_a_run_refuses_is_found_by_check_and_before_the_model_l
     assert not (tmp_path / "out").exists()
 
 
+def test_a_heal_before_any_step_that_changes_the_model_is_a_located_problem(tmp_path):
+    """A recipe's heal distils towards the recipe's model: as the first rewriting step it distilled the
+    model into itself (a loss of 0) for minutes and wrote a copy; `heal M --teacher M` is refused."""
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nsteps:\n"
+                            "  - score: {method: magnitude}\n  - heal: {max_steps: 1}\n  - prune: {fraction: 0.3}\n")
+    for extra in (["--check"], []):
+        _refused(runner.invoke(app, ["run", str(path), *extra]), "1 problem(s)",
+                 f"{path}:5:11: steps.1: heal before any prune, convert_gqa or convert_mla step distils")
+    assert not (tmp_path / "out").exists()
+    path = _write(tmp_path, f"model: {MODEL}\noutput: out\nsteps:\n  - heal: {{max_steps: 1, lm_weight: 1}}\n")
+    res = runner.invoke(app, ["run", str(path), "--check"])
+    assert res.exit_code == 0, res.output  # its own LM loss: something to train
+
+
 def test_steps_in_an_order_that_runs_are_valid(tmp_path):
     path = _write(tmp_path, f"model: {MODEL}\noutput: out\nsteps:\n  - score: {{method: magnitude}}\n"
                             "  - prune: {fraction: 0.3}\n  - convert_gqa: {kv_heads: 1}\n"

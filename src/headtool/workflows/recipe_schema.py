@@ -414,6 +414,11 @@ def order_problems(recipe: Recipe) -> list[str]:
                 what = name + "".join(f" with {k} {v}" for k, v in keys.items())
                 problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i}: {what} after {before} "
                                 f"is not supported ({why}): {fix}")
+        if name == "heal" and not earlier & set(REWRITING_STEPS) - {"heal"} and not step.get("lm_weight"):
+            # its teacher is the recipe's model: as `heal M --teacher M`, a zero loss and a copy written
+            problems.append(f"{recipe.where(f'steps.{i}')}: steps.{i}: heal before any prune, convert_gqa or "
+                            "convert_mla step distils the recipe's model into itself (its teacher), a loss of 0 "
+                            "with nothing to heal: put it after the step that changes the model, or give lm_weight")
         earlier.add(name)
     return problems
 
