@@ -83,6 +83,7 @@ def test_a_heal_before_any_step_that_changes_the_model_is_a_located_problem(tmp_
     path = _write(tmp_path, f"model: {MODEL}\noutput: out\nsteps:\n  - heal: {{max_steps: 1, lm_weight: 1}}\n")
     res = runner.invoke(app, ["run", str(path), "--check"])
     assert res.exit_code == 0, res.output  # its own LM loss: something to train
+    assert "valid (1 step)" in res.stderr, res.stderr  # not '1 steps'
 
 
 def test_steps_in_an_order_that_runs_are_valid(tmp_path):

@@ -76,7 +76,7 @@ def run_cmd(
     apply_overrides(r, list(set_ or []))
     if check:
         validate_whole(r, output=output, dry_run=dry_run, json_stdout=json_out)
-        info(f"{recipe}: valid ({len(r.steps)} steps)")
+        info(f"{recipe}: valid ({len(r.steps)} step{'' if len(r.steps) == 1 else 's'})")
         if json_out:
             print_json(resolved(r))
         return
