@@ -548,3 +548,35 @@ def test_a_recipe_heal_of_a_bfloat16_model_trains_float32_weights_as_the_command
     assert any(not torch.equal(written[k], checkpoint_tensors(bf)[k]) for k in written)
     for k in written:
         assert torch.equal(state[k], written[k]), k
+    # and the same figures after the heal: those of the rounded weights (they were the float32 ones'
+    # in the step, which nothing holds, and the rounded ones' in the command)
+    cli = json.loads((tmp_path / "cli" / "headtool.json").read_text())
+    step = heal_loaded(load_model(str(bf), device="cpu"), load_model(str(teacher), device="cpu"),
+                       HealRequest("", "", "", **kw)).to_json()
+    assert step["after"] == cli["after"] and step["after"]["weights_dtype"] == "bfloat16"
+    assert step["after_unrounded"] == cli["after_unrounded"] != step["after"]
+
+
+def test_a_recipe_heal_step_on_a_bfloat16_model_reports_the_figures_of_the_weights_it_writes(pair, text, tmp_path):
+    """A recipe's heal step on a bfloat16 model reported the held-out figures of its float32 master
+    weights, which the written (rounded) model does not hold; `headtool heal` reports the rounded ones'.
+    Its row's figures after are now those `headtool eval --dtype float32` measures on the output."""
+    from headtool.data.batches import make_batches
+    from headtool.measure.evaluation import evaluate
+
+    teacher, _ = pair
+    bf = tmp_path / "bf16"
+    load_model(str(teacher), dtype="float32", device="cpu").model.to(torch.bfloat16).save_pretrained(bf)
+    tokenizer_for("llama").save_pretrained(bf)
+    r = tmp_path / "heal.yaml"
+    r.write_text(f"model: {bf}\ndtype: bfloat16\ndevice: cpu\nseed: 0\n"
+                 f"data: {{source: '{text}', seq_len: 16, batch_size: 2}}\n"
+                 "steps:\n  - prune: {heads: '0:0,2;1:1,3'}\n"
+                 "  - heal: {max_steps: 6, lr: 0.03, keep_best: false, eval_samples: 4}\n")
+    res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.stdout)["steps"][2]
+    healed = load_model(str(tmp_path / "out"), dtype="float32", device="cpu")
+    assert next(load_model(str(tmp_path / "out"), device="cpu").model.parameters()).dtype == torch.bfloat16
+    held = make_batches(DataSpec(source=str(text), seq_len=16, batch_size=2, max_samples=4), healed.tokenizer, "lm")
+    assert row["loss_after"] == pytest.approx(evaluate(healed.model, held.batches, "lm")["loss"], rel=1e-6, abs=1e-6)

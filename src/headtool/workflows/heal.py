@@ -24,6 +24,7 @@ from ..model.refs import resolve_ref
 from ..train.healing import (
     STATE_FILE,
     HealOptions,
+    HealResult,
     evaluate_heal,
     heal_model,
     memory_figures,
@@ -124,9 +125,10 @@ def heal_loaded(student: LoadedModel, teacher: LoadedModel, req: HealRequest):
     if student.tokenizer is None:
         raise UsageError("heal needs the model's tokenizer to read --data")
     train, held = heal_batches(req, student.tokenizer, student.task, teacher)
-    with float32_master_weights(student.model):  # as `headtool heal` trains: bf16 weights lose small updates
-        res = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
-                         objective=OBJECTIVE_OF_TASK.get(student.task))
+    objective = OBJECTIVE_OF_TASK.get(student.task)
+    res = heal_in_float32(student.model, teacher.model, held.batches, req.opts, objective,
+                          lambda: heal_model(student.model, teacher.model, student.adapter, train.batches,
+                                             held.batches, req.opts, objective=objective))
     res.extra.setdefault("data_source", train.info.get("source"))
     return res
 
@@ -148,6 +150,31 @@ def float32_master_weights(model: torch.nn.Module):
             for name, p in model.named_parameters():
                 if name in dtypes:
                     p.data = p.data.to(dtypes[name])
+
+
+def heal_in_float32(student: torch.nn.Module, teacher: torch.nn.Module, held_batches, opts: HealOptions,
+                    objective: str | None, train: Callable[[], HealResult], *, main: bool = True) -> HealResult:
+    """Run `train` (heal_model on `student`) on float32 master weights and give the student its own
+    dtype back, rounded; `headtool heal` and recipe heal steps alike. Where that rounds (a bfloat16 or
+    float16 student), the figures after the heal are measured again on the rounded weights, the ones
+    that are kept and written (what `headtool eval` of the output measures): `after` are theirs, with
+    `weights_dtype`, and `after_unrounded` the float32 weights' (main: the rank that evaluates)."""
+    out_dtype = next(student.parameters()).dtype
+    dtypes = {name: p.dtype for name, p in student.named_parameters()}
+    rounds = any(d in (torch.bfloat16, torch.float16) for d in dtypes.values())
+    with float32_master_weights(student):
+        result = train()
+        if main and rounds and held_batches:
+            unrounded = result.to_json()["after"]
+            with torch.no_grad():  # the values only, still float32: evaluated as `eval --dtype float32` does
+                for name, p in student.named_parameters():
+                    if dtypes.get(name) in (torch.bfloat16, torch.float16):
+                        p.copy_(p.to(dtypes[name]))
+            rounded = evaluate_heal(student, teacher, held_batches, opts, objective,
+                                    bf16=use_bf16(opts, next(student.parameters()).device))
+            result.extra["after"] = {"step": result.best_step, **rounded, "weights_dtype": _dtype_name(out_dtype)}
+            result.extra["after_unrounded"] = unrounded
+    return result
 
 
 def _dtype_name(of) -> str:
@@ -211,26 +238,22 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
     with blocks_read() as seen:
         train, held = heal_batches(req, tok, student.task, teacher, world)
     out_dtype = next(student.model.parameters()).dtype
-    student.model.float()  # fp32 master weights; bf16 autocast on GPUs does the fast math
     identity = {"student": student.fingerprint, "teacher": teacher.fingerprint,
                 "train_data": train.info.get("fingerprint"), "eval_data": held.info.get("fingerprint"),
                 # the teacher's logits and the written weights are in the loaded dtype (the fingerprints,
                 # rounded to bf16, do not tell float32 from bfloat16)
                 "dtype": f"student {_dtype_name(out_dtype)}, teacher {_dtype_name(teacher.model)}"}
-    result = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
-                        objective=objective, state_dir=state_dir, resume=req.resume, identity=identity,
-                        callback=callback, world=world)
-    if world.main and out_dtype != torch.float32 and held.batches:
-        # the weights trained in float32 are written in the student's dtype: the figures after the heal
-        # are those of the rounded weights that OUTPUT holds (what `headtool eval` of it measures)
-        unrounded = result.to_json()["after"]
-        with torch.no_grad():  # the parameters only: buffers (RoPE frequencies) stay float32, as on loading
-            for p in student.model.parameters():
-                p.copy_(p.to(out_dtype))
-        rounded = evaluate_heal(student.model, teacher.model, held.batches, req.opts, objective,
-                                bf16=use_bf16(req.opts, next(student.model.parameters()).device))
-        result.extra["after"] = {"step": result.best_step, **rounded, "weights_dtype": _dtype_name(out_dtype)}
-        result.extra["after_unrounded"] = unrounded
+    memory: dict[str, Any] = {}
+
+    def train_student() -> HealResult:  # on float32 master weights; bf16 autocast on GPUs does the fast math
+        res = heal_model(student.model, teacher.model, student.adapter, train.batches, held.batches, req.opts,
+                         objective=objective, state_dir=state_dir, resume=req.resume, identity=identity,
+                         callback=callback, world=world)
+        memory.update(memory_figures(student.model, teacher.model, res.trainable_params, req.opts))  # as trained
+        return res
+
+    result = heal_in_float32(student.model, teacher.model, held.batches, req.opts, objective, train_student,
+                             main=world.main)
     doc: dict[str, Any] = {
         "format": "headtool.heal/1",
         "student": {"ref": req.student, "path": student.path, "fingerprint": student.fingerprint,
@@ -241,10 +264,9 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         "options": {**asdict(req.opts), "learning_rate": req.opts.learning_rate, "eval_samples": req.eval_samples},
         "data": train.info, "eval_data": held.info,
         **result.to_json(),
-        "memory": memory_figures(student.model, teacher.model, result.trainable_params, req.opts),
+        "memory": memory,
     }
     if world.main:
-        student.model.to(out_dtype)
         meta = {k: v for k, v in doc.items() if k not in ("format", "train_losses", "distill_losses")}
         meta["operation"] = "heal"
         meta["heal_format"] = doc["format"]
