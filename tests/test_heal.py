@@ -576,7 +576,54 @@ def test_a_recipe_heal_step_on_a_bfloat16_model_reports_the_figures_of_the_weigh
     res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "out"), "--json"])
     assert res.exit_code == 0, res.output
     row = json.loads(res.stdout)["steps"][2]
+    assert row["best_step"] == 6 and row["best_by"] == "last"  # (keep_best: false)
     healed = load_model(str(tmp_path / "out"), dtype="float32", device="cpu")
     assert next(load_model(str(tmp_path / "out"), device="cpu").model.parameters()).dtype == torch.bfloat16
     held = make_batches(DataSpec(source=str(text), seq_len=16, batch_size=2, max_samples=4), healed.tokenizer, "lm")
     assert row["loss_after"] == pytest.approx(evaluate(healed.model, held.batches, "lm")["loss"], rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("flag,term,words", [("--hidden-weight", "hidden", "total (1*hidden)"),
+                                             ("--lm-weight", "loss", "total (1*LM loss)")])
+def test_keep_best_chooses_on_the_objective_trained(pair, text, tmp_path, monkeypatch, flag, term, words):
+    """--kl-weight 0 with --hidden-weight 1 (or --lm-weight 1) trained another objective, yet keep-best
+    kept the step of the lowest held-out KL, a term that weighed nothing. It chooses on the held-out
+    total (the weighted objective) now, and the result and the summary say so."""
+    from headtool.train import healing
+
+    real = healing.evaluate_heal
+    script = iter([(5.0, 5.0), (4.0, 4.0), (3.0, 1.0), (2.0, 3.0), (1.0, 2.0)])  # (distill, the trained term)
+
+    def scripted(student, teacher, batches, opts, objective, *, bf16=False):
+        out = real(student, teacher, batches, opts, objective, bf16=bf16)
+        out["distill"], out[term] = next(script)
+        out["total"] = opts.kl_weight * out["distill"] + (opts.hidden_weight if term == "hidden" else opts.lm_weight) * out[term]
+        return out
+
+    monkeypatch.setattr(healing, "evaluate_heal", scripted)
+    teacher, student = pair
+    res = runner.invoke(app, ["heal", str(student), "--teacher", str(teacher), "--data", str(text), *SMALL,
+                              "-o", str(tmp_path / "o"), "--json", "--max-steps", "4", "--eval-every", "1",
+                              "--kl-weight", "0", flag, "1"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["best_step"] == 2 and doc["after"]["step"] == 2 and doc["best_by"] == "total"
+    assert not doc["final_step_weights"]
+    assert f"kept the step of the lowest held-out {words}" in " ".join(res.stderr.split())
+    assert f"kept the weights of the lowest held-out {words}" in (tmp_path / "o" / "README.md").read_text()
+
+
+def test_the_held_out_total_is_the_weighted_objective(pair, text, tmp_path):
+    """The held-out `total` that keep-best chooses on is the objective as weighed: --kl-weight times
+    distill plus --lm-weight times the LM loss (per predicted token, as reported) plus --hidden-weight
+    times hidden; the default (KL alone) still chooses on distill."""
+    teacher, student = pair
+    doc = _heal(student, teacher, tmp_path / "o", text, "--max-steps", "2", "--kl-weight", "0.5",
+                "--lm-weight", "2", "--hidden-weight", "3")
+    assert doc["best_by"] == "total"
+    for e in doc["evals"]:
+        assert e["total"] == pytest.approx(0.5 * e["distill"] + 2 * e["loss"] + 3 * e["hidden"], rel=1e-9)
+    doc = _heal(student, teacher, tmp_path / "o2", text, "--max-steps", "2", "--keep-last")
+    assert doc["best_by"] == "last"
+    doc = _heal(student, teacher, tmp_path / "o3", text, "--max-steps", "2")
+    assert doc["best_by"] == "distill" and all(e["total"] == e["distill"] for e in doc["evals"])

@@ -37,7 +37,7 @@ from ..measure.objectives import divergence, has_logits, token_losses
 from ..model.info import attention_param_names
 from .lowrank import add_lowrank, merge_lowrank
 from .options import TRAIN_MODES as TRAIN_MODES
-from .options import HealOptions
+from .options import HealOptions, best_figure
 
 STATE_FORMAT = "headtool.heal-state/1"
 STATE_FILE = "state.pt"
@@ -66,6 +66,7 @@ class HealResult:
     final_step_weights: bool  # False when the best evaluation came before the last step
     trainable_params: int
     kind: str  # "logits" | "hidden"
+    best_by: str = "distill"  # the held-out figure keep-best chose on (best_figure); "last" with --keep-last
     resumed_from: int | None = None
     world_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -78,7 +79,7 @@ class HealResult:
             "steps": self.steps, "total_steps": self.total_steps, "tokens": self.tokens,
             "elapsed_s": round(self.elapsed_s, 3), "trainable_params": self.trainable_params,
             "distill_kind": self.kind, "world_size": self.world_size,
-            "resumed_from": self.resumed_from, "best_step": self.best_step,
+            "resumed_from": self.resumed_from, "best_step": self.best_step, "best_by": self.best_by,
             "final_step_weights": self.final_step_weights,
             "before": before, "after": best, "evals": self.evals,
             "train_loss_first_quarter": sum(self.losses[:q]) / q if self.losses else None,
@@ -357,6 +358,9 @@ def evaluate_heal(student: nn.Module, teacher: nn.Module, batches: Sequence[dict
     finally:
         student.train(was_training)
     out = {k: v / max(weights[k], 1.0) for k, v in sums.items()}
+    # the objective trained, weighed as it is: each held-out term as averaged here (the LM loss per predicted token)
+    out["total"] = (opts.kl_weight * out["distill"] + (opts.lm_weight * out["lm"] if "lm" in out else 0.0)
+                    + (opts.hidden_weight * out["hidden"] if "hidden" in out else 0.0))
     if "lm" in out:
         out["loss"] = out.pop("lm")
         out["perplexity"] = math.exp(min(out["loss"], 700.0))
@@ -455,7 +459,8 @@ def heal_model(
     losses: list[float] = []
     distill_losses: list[float] = []
     evals: list[dict[str, Any]] = []
-    best: dict[str, Any] = {"step": None, "distill": math.inf, "weights": None}
+    by = best_figure(opts)
+    best: dict[str, Any] = {"step": None, "by": by, "value": math.inf, "weights": None}
     resumed_from = None
     if resume:
         if state_dir is None:
@@ -474,6 +479,10 @@ def heal_model(
         losses, evals = list(state["losses"]), list(state["evals"])
         distill_losses = list(state["distill_losses"])
         best = state["best"]
+        if "value" not in best:  # a state saved before keep-best chose on the objective trained (on distill)
+            value = next((e.get(by) for e in evals if e["step"] == best.get("step")), None)
+            best = {**{k: v for k, v in best.items() if k != "distill"}, "by": by,
+                    "value": value if value is not None else math.inf}
         rngs = state["rng"]
         if len(rngs) == world.size:
             _set_rng_state(rngs[world.rank])
@@ -497,12 +506,13 @@ def heal_model(
     def do_eval() -> dict[str, Any]:
         res = {"step": step, **evaluate_heal(student, teacher, eval_batches, opts, objective, bf16=bf16)}
         evals.append(res)
-        if opts.keep_best and res["distill"] < best["distill"]:
-            best.update(step=step, distill=res["distill"], weights=snapshot())
+        if opts.keep_best and res[by] < best["value"]:
+            best.update(step=step, value=res[by], weights=snapshot())
         elif not opts.keep_best:
-            best.update(step=step, distill=res["distill"], weights=None)
+            best.update(step=step, value=res[by], weights=None)
         ppl = f"  perplexity {res['perplexity']:.3f}" if "perplexity" in res else ""
-        info(f"step {step}/{total}: held-out distill {res['distill']:.5f}{ppl}")
+        tot = f"  total {res['total']:.5f}" if by == "total" else ""
+        info(f"step {step}/{total}: held-out distill {res['distill']:.5f}{tot}{ppl}")
         return res
 
     def do_save() -> None:
@@ -611,7 +621,8 @@ def heal_model(
                       elapsed_s=elapsed0 + time.perf_counter() - t0, losses=losses,
                       distill_losses=distill_losses, evals=evals, best_step=best_step,
                       final_step_weights=final_step_weights, trainable_params=n_trainable,
-                      kind="logits" if has_logits(student) else "hidden", resumed_from=resumed_from,
+                      kind="logits" if has_logits(student) else "hidden", best_by=by if opts.keep_best else "last",
+                      resumed_from=resumed_from,
                       world_size=world.size)
 
 

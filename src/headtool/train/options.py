@@ -46,7 +46,9 @@ class HealOptions:
                                     "at every evaluation]", min=1, panel=_E, where=CLI_ONLY,
                                     why="a recipe heals in memory and keeps no resumable state")
     gradient_checkpointing: bool = option(False, "recompute activations in backward (less memory)", panel=_T)
-    keep_best: bool = option(True, "write the weights of the best held-out evaluation, or of the last step",
+    keep_best: bool = option(True, "write the weights of the best held-out evaluation (of the objective trained: "
+                             "distill, or the weighted total with --lm-weight or --hidden-weight), or of the "
+                             "last step",
                              flags=("--keep-best/--keep-last",), panel=_E)
 
     def validate(self) -> None:
@@ -62,3 +64,20 @@ class HealOptions:
     @property
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else (1e-3 if self.train == "lora" else 2e-4)
+
+
+def best_figure(opts: HealOptions) -> str:
+    """The held-out figure that keep-best chooses the kept step on: the objective trained. 'distill'
+    where only the distillation term weighs (the total is that times --kl-weight: the same order),
+    else 'total' (--kl-weight * distill + --lm-weight * loss + --hidden-weight * hidden)."""
+    return "distill" if not opts.lm_weight and not opts.hidden_weight else "total"
+
+
+def objective_text(options: dict) -> str:
+    """What keep-best chose on, in words, from a heal's options (asdict of HealOptions, or the
+    `options` a heal's result records): 'held-out distill', or e.g. 'held-out total (1*hidden)'."""
+    if not options.get("lm_weight") and not options.get("hidden_weight"):
+        return "held-out distill"
+    parts = [f"{options.get(k) or 0:g}*{name}" for k, name in (("kl_weight", "distill"), ("lm_weight", "LM loss"),
+                                                               ("hidden_weight", "hidden")) if options.get(k)]
+    return f"held-out total ({' + '.join(parts)})"

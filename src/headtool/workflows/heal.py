@@ -31,6 +31,7 @@ from ..train.healing import (
     state_folder,
     use_bf16,
 )
+from ..train.options import objective_text
 from .data_plan import blocks_all_read, part_blocks, same_source_name
 from .requests import HealRequest
 
@@ -352,6 +353,8 @@ def card_table(doc: dict[str, Any]) -> str:
         if e:
             rows.append(f"| {name} | {e['distill']:.5f} |" + (f" {e['perplexity']:.3f} |" if ppl else ""))
     rows.append("")
+    kept = ("the last step's weights (--keep-last)" if doc.get("best_by") == "last" else
+            f"the weights of the lowest {objective_text(doc['options'])}")
     rows.append(f"Teacher: `{doc['teacher']['ref']}`; {doc['steps']} steps, {doc['tokens']:,} tokens, "
-                f"--train {doc['options']['train']}.")
+                f"--train {doc['options']['train']}; kept {kept}.")
     return "\n".join(rows)

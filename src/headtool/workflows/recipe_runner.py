@@ -269,7 +269,7 @@ def step_heal(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     res = heal_loaded(ctx.lm, ctx.text_model, req)
     doc = res.to_json()
-    out: dict[str, Any] = {"steps": doc["steps"], "best_step": doc["best_step"],
+    out: dict[str, Any] = {"steps": doc["steps"], "best_step": doc["best_step"], "best_by": doc["best_by"],
                            "data": doc.get("data_source", req.data.source)}
     # the held-out figures before and after (the step's kept weights), as heal's own summary shows them
     for when, e in (("before", doc.get("before")), ("after", doc.get("after"))):

@@ -47,20 +47,36 @@ def heal_table(doc: dict[str, Any]):
 
     before, after = doc.get("before") or {}, doc.get("after") or {}
     ppl = "perplexity" in before
+    total = doc.get("best_by") == "total"  # keep-best chose on the weighted objective: show it
     t = Table(title=f"heal {doc['student']['ref']} <- {doc['teacher']['ref']}", title_justify="left")
     t.add_column("")
     t.add_column("held-out distill", justify="right")
+    if total:
+        t.add_column("held-out total", justify="right")
     if ppl:
         t.add_column("perplexity", justify="right")
     for name, e in (("before", before), (f"after (step {doc['best_step']})", after)):
         if e:
-            t.add_row(name, f"{e['distill']:.5f}", *([f"{e['perplexity']:.3f}"] if ppl else []))
+            t.add_row(name, f"{e['distill']:.5f}", *([f"{e['total']:.5f}"] if total else []),
+                      *([f"{e['perplexity']:.3f}"] if ppl else []))
     mem = doc.get("memory", {})
     t.caption = (f"{doc['steps']} steps, {human_int(doc['tokens'])} tokens, {doc['elapsed_s'] / 60:.1f} min, "
                  f"--train {doc['options']['train']} ({human_int(doc['trainable_params'])} parameters); "
                  f"teacher + student weights and training state {human_bytes(mem.get('model_bytes_total', 0))}"
+                 + kept_text(doc)
                  + (f"; written to {doc['output']['path']}" if doc.get("output") else ""))
     return t
+
+
+def kept_text(doc: dict[str, Any]) -> str:
+    """Which step's weights a heal kept, and on what figure it chose them ('' for older results)."""
+    from ...train.options import objective_text
+
+    if doc.get("best_by") == "last":
+        return "; kept the last step's weights (--keep-last)"
+    if doc.get("best_by"):
+        return f"; kept the step of the lowest {objective_text(doc.get('options') or {})}"
+    return ""
 
 
 def register(app: typer.Typer) -> None:
