@@ -627,3 +627,34 @@ def test_the_held_out_total_is_the_weighted_objective(pair, text, tmp_path):
     assert doc["best_by"] == "last"
     doc = _heal(student, teacher, tmp_path / "o3", text, "--max-steps", "2")
     assert doc["best_by"] == "distill" and all(e["total"] == e["distill"] for e in doc["evals"])
+
+
+def test_held_out_blocks_are_recorded_as_evaluated_on_not_fitted(pair, text, tmp_path):
+    """The held-out blocks (--eval-data, or the first --eval-samples of --data) were recorded in
+    headtool.json's data_read as fitted on: `headtool eval` then skipped them and called a figure on
+    --eval-data's text in-domain. They are recorded as evaluated on only; the training blocks stay
+    fitted on, and eval still starts after them."""
+    import pydoc_data.topics as t
+    from headtool.io.provenance import folder_record
+
+    teacher, student = pair
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(list(t.topics.values())[30:50]))
+    _heal(student, teacher, tmp_path / "o", text, "--max-steps", "2", "--eval-data", str(other))
+    record = [e for e in folder_record(tmp_path / "o") if not e.get("part")]
+    assert {(Path(e["source"]).name, e["role"], e["blocks"]) for e in record} == {("text.txt", "fit", 4),
+                                                                                  ("other.txt", "eval", 4)}
+    res = runner.invoke(app, ["eval", str(tmp_path / "o"), "--data", str(other), "--max-samples", "2",
+                              "--seq-len", "16", "--batch-size", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert not doc["data"].get("skip_samples") and doc["results"][0]["in_domain"] is False
+
+    # held out of --data itself: its first 4 blocks are evaluated on, the 4 after them trained on
+    _heal(student, teacher, tmp_path / "o2", text, "--max-steps", "2")
+    record = [e for e in folder_record(tmp_path / "o2") if not e.get("part")]
+    assert {(e["role"], e["blocks"]) for e in record} == {("fit", 8), ("eval", 4)}
+    res = runner.invoke(app, ["eval", str(tmp_path / "o2"), "--data", str(text), "--max-samples", "2",
+                              "--seq-len", "16", "--batch-size", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["data"]["skip_samples"] == 8

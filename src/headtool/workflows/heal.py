@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..console import warn, warnings_held
-from ..data.batches import blocks_read, make_batches, resolve_auto
+from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_auto
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -82,7 +82,9 @@ def heal_batches(req: HealRequest, tokenizer: Any, task: str, teacher: Any, worl
     data_task = DATA_TASK_OF_TASK.get(task, "plain")
     data = resolve_auto(req.data, tokenizer, teacher, data_task)
     train_spec, held_spec = _data_specs(data, req.eval_data, req.eval_samples, req.opts, world or World())
-    with warnings_held():  # 'only 9 of 16 blocks' is dropped where the line below refuses the same text
+    # 'only 9 of 16 blocks' is dropped where the line below refuses the same text; the held-out blocks are
+    # only evaluated on (keep-best's choice), not fitted: data_read records them so, and `eval` need not skip them
+    with warnings_held(), evaluation_reads():
         held = _held_out_batches(held_spec, tokenizer, data_task, teacher, req, data, train_spec)
     return make_batches(train_spec, tokenizer, data_task, model=teacher), held
 
