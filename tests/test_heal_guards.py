@@ -299,3 +299,28 @@ def test_a_lora_rank_past_the_projections_is_one_line(models, tmp_path):
     line = _one_line_error(_heal(models, tmp_path / "o", "--train", "lora", "--lora-rank", "100000"))
     assert "--lora-rank 100000" in line, line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("extra,names", [
+    (["--kl-weight", "0", "--lm-weight", "1", "--temperature", "2"], ["--temperature 2", "--kl-weight 0"]),
+    (["--hidden-layers", "all"], ["--hidden-layers all", "--hidden-weight"]),
+    (["--lora-rank", "4"], ["--lora-rank 4", "--train lora"]),
+    (["--lora-alpha", "32", "--lora-rank", "2", "--train", "all"], ["--lora-rank 2 and --lora-alpha 32", "--train lora"]),
+], ids=["temperature", "hidden-layers", "lora-rank", "lora-rank-and-alpha"])
+def test_options_the_run_would_ignore_are_refused_up_front(models, extra, names, tmp_path):
+    """--temperature with --kl-weight 0 (no KL term to soften), --hidden-layers all without
+    --hidden-weight (no hidden states matched), --lora-rank / --lora-alpha without --train lora: each
+    trained as if it had not been given, without a word. Refused before any model loads now."""
+    line = _one_line_error(_heal(models, tmp_path / "out", *extra))
+    assert all(n in line for n in names), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_recipe_heal_step_with_an_option_it_would_ignore_is_refused(models, tmp_path):
+    """The same check in a recipe (its request validation): before the model loads."""
+    r = tmp_path / "r.yaml"
+    r.write_text(f"model: {models.student}\ndata: {{source: '{models.text}', seq_len: 16}}\n"
+                 "steps:\n  - heal: {max_steps: 1, lora_rank: 4}\n")
+    res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--lora-rank 4" in res.output and "--train lora" in res.output, res.output
+    assert not (tmp_path / "o").exists()

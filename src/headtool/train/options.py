@@ -4,6 +4,7 @@ Torch-free, so that the CLI can derive its options at start-up.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -60,6 +61,25 @@ class HealOptions:
                              "--hidden-weight)")
         if self.min_lr_ratio > 1:
             raise UsageError(f"--min-lr-ratio must be between 0 and 1 (got {self.min_lr_ratio})")
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        """Options the loss or the training mode would silently ignore: --temperature without the KL
+        term (--kl-weight 0), --hidden-layers all without --hidden-weight, --lora-rank and --lora-alpha
+        without --train lora. Each is refused with what to do."""
+        default = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.temperature != default["temperature"] and not self.kl_weight:
+            raise UsageError(f"--temperature {self.temperature:g} softens the KL term, which --kl-weight 0 leaves out "
+                             "of the loss; leave --temperature out, or give the KL term a weight")
+        if self.hidden_layers != default["hidden_layers"] and not self.hidden_weight:
+            raise UsageError(f"--hidden-layers {self.hidden_layers}: hidden states are matched only with a "
+                             "--hidden-weight above 0 (it is 0); set --hidden-weight or leave --hidden-layers out")
+        unused = [f"--{name.replace('_', '-')} {getattr(self, name):g}" for name in ("lora_rank", "lora_alpha")
+                  if getattr(self, name) != default[name]]
+        if unused and self.train != "lora":
+            many = len(unused) > 1
+            raise UsageError(f"{' and '.join(unused)} {'shape' if many else 'shapes'} the low-rank updates of --train "
+                             f"lora, and --train is {self.train}; add --train lora or leave {'them' if many else 'it'} out")
 
     @property
     def learning_rate(self) -> float:
