@@ -320,7 +320,7 @@ def test_a_recipe_heal_step_with_an_option_it_would_ignore_is_refused(models, tm
     """The same check in a recipe (its request validation): before the model loads."""
     r = tmp_path / "r.yaml"
     r.write_text(f"model: {models.student}\ndata: {{source: '{models.text}', seq_len: 16}}\n"
-                 "steps:\n  - heal: {max_steps: 1, lora_rank: 4}\n")
+                 "steps:\n  - prune: {heads: '0:0'}\n  - heal: {max_steps: 1, lora_rank: 4}\n")
     res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "--lora-rank 4" in res.output and "--train lora" in res.output, res.output
     assert not (tmp_path / "o").exists()
