@@ -324,3 +324,14 @@ def test_a_recipe_heal_step_with_an_option_it_would_ignore_is_refused(models, tm
     res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "o")])
     assert res.exit_code == 2 and "--lora-rank 4" in res.output and "--train lora" in res.output, res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_warmup_as_long_as_the_run_is_said(models, tmp_path):
+    """--warmup-steps at or above the run's steps was taken without a word: the learning rate rose for
+    the whole run and never reached --lr (nor decayed)."""
+    res = _heal(models, tmp_path / "o", "--warmup-steps", "5")  # SMALL: --max-steps 1
+    assert res.exit_code == 0, res.output
+    line = " ".join(res.stderr.split())
+    assert "warning: --warmup-steps 5 is not below the run's 1 step:" in line and "0.2 of --lr" in line, line
+    res = _heal(models, tmp_path / "o2", "--warmup-steps", "0")
+    assert res.exit_code == 0 and "--warmup-steps" not in res.stderr, res.output

@@ -431,6 +431,10 @@ def heal_model(
     bf16 = use_bf16(opts, device)
     total = plan_steps(opts, len(train_batches), world)
     warmup = opts.warmup_steps if opts.warmup_steps is not None else max(0, round(0.05 * total))
+    if warmup >= total > 0 and world.main:
+        warn(f"--warmup-steps {warmup} is not below the run's {total} step{'' if total == 1 else 's'}: the learning rate rises for the "
+             f"whole run and ends at {total / warmup:.2g} of --lr {opts.learning_rate:g}, never decaying; "
+             f"give fewer warmup steps (e.g. {max(0, round(0.05 * total))}, the default's 5%)")
     eval_every = opts.eval_every or max(1, total // 10)
     save_every = opts.save_every or eval_every
 
