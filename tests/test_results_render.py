@@ -145,8 +145,9 @@ def test_heal_variants_parse_and_override_any_option():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_heal_cross_domain import heal_options, parse_variant, variant_label
 
-    v = parse_variant("train=lora, lr=1e-3,hidden_layers=all,max_steps=7,keep_best=false")
-    assert v == {"train": "lora", "lr": 1e-3, "hidden_layers": "all", "max_steps": 7, "keep_best": False}
+    v = parse_variant("train=lora, lr=1e-3,hidden_weight=1,hidden_layers=all,max_steps=7,keep_best=false")
+    assert v == {"train": "lora", "lr": 1e-3, "hidden_weight": 1, "hidden_layers": "all", "max_steps": 7,
+                 "keep_best": False}
     opts = heal_options(300, v)
     assert (opts.train, opts.max_steps, opts.lr, opts.keep_best) == ("lora", 7, 1e-3, False)
     assert heal_options(300, {}).train == "attention" and heal_options(300, {}).max_steps == 300
