@@ -110,7 +110,9 @@ def test_info_reports_the_right_numbers(family, tmp_path):
     assert info["params"] == sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # q, k, v, o weights (+ biases where present) of 3 layers
     assert info["attention_params"] >= 3 * (2 * 32 * 32 + 2 * 32 * 8 * EXPECTED_KV[family])
-    assert info["kv_cache_bytes_per_token"] == 3 * 2 * EXPECTED_KV[family] * 8 * 4  # fp32
+    # fp32; an encoder keeps no KV cache (n/a, as eval --speed says)
+    assert info["kv_cache_bytes_per_token"] == (None if family in ("bert", "roberta") else
+                                                3 * 2 * EXPECTED_KV[family] * 8 * 4)
     for key in ("model_type", "family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
                 "params", "attention_params", "kv_cache_bytes_per_token"):
         assert key in info

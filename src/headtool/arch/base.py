@@ -175,8 +175,15 @@ class Adapter:
     # model types of the family whose learned positions start after the padding index (RoBERTa:
     # max_position_embeddings 514 takes 512 tokens)
     positions_after_padding: tuple[str, ...] = ()
+    # an encoder family (BERT): bidirectional attention over the whole input, no KV cache, unless the
+    # config makes it a decoder (is_decoder, as BertLMHeadModel: causal, with a cache)
+    encoder: bool = False
 
     # ---------------------------------------------------------------- geometry
+    def caches_kv(self, config) -> bool:
+        """Whether the model keeps a KV cache (decoders); an encoder reads its whole input at once."""
+        return not self.encoder or bool(getattr(config, "is_decoder", False))
+
     def max_positions(self, config) -> int | None:
         """The most tokens one sequence may hold where positions are learned (a table of
         max_position_embeddings rows: GPT-2, OPT, BERT): a longer one fails inside the model. None for

@@ -52,6 +52,7 @@ BERT = Adapter(
     resize_attrs=(("attention.self.num_attention_heads", "num_heads"),
                   ("attention.self.all_head_size", "q_width")),
     positions_after_padding=("roberta", "xlm-roberta", "camembert", "data2vec-text"),
+    encoder=True,
 )
 
 GPT2 = Adapter(

@@ -24,7 +24,10 @@ def human_int(n: int | float) -> str:
     return f"{n:.0f}"
 
 
-def human_bytes(n: int | float) -> str:
+def human_bytes(n: int | float | None) -> str:
+    """Bytes in KiB/MiB/GiB; None (a figure that does not apply, e.g. an encoder's KV cache) as n/a."""
+    if n is None:
+        return "n/a"
     n = float(n)
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= div:
@@ -62,8 +65,7 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
         ("attention parameters", f"{human_int(f['attention_params'])} "
                                  f"({100 * f['attention_params'] / max(f['params'], 1):.1f}%)"),
         ("dtype", f["dtype"]),
-        ("KV cache per token", f"{human_bytes(f['kv_cache_bytes_per_token'])} "
-                               f"({f['kv_cache_bytes_per_token']:,} B)"),
+        ("KV cache per token", kv_cell(f)),
     ]
     if f.get("kv_group_sizes"):  # prune --unit head
         uneven = f["kv_group_sizes"]
@@ -76,6 +78,14 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def kv_cell(f: dict[str, Any]) -> str:
+    """The info table's KV-cache figure."""
+    per_token = f["kv_cache_bytes_per_token"]
+    if per_token is None:
+        return "n/a (an encoder keeps no KV cache)"
+    return f"{human_bytes(per_token)} ({per_token:,} B)"
 
 
 def eval_table(result: dict[str, Any]) -> Table:

@@ -57,8 +57,10 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     attn = sum(params[n].numel() for n in attention_param_names(model, adapter))
     dtype = next(model.parameters()).dtype
     spec = latent_spec(config)
-    # latent attention (convert-mla) caches one latent and one shared rotary key per token and layer
-    per_layer = latent_cache_bytes_per_layer(spec, dtype) if spec else kv_cache_bytes_per_layer(geometry, dtype)
+    # latent attention (convert-mla) caches one latent and one shared rotary key per token and layer;
+    # an encoder keeps no cache at all (None: n/a, as eval --speed reports it)
+    per_layer = (None if not adapter.caches_kv(config) else
+                 latent_cache_bytes_per_layer(spec, dtype) if spec else kv_cache_bytes_per_layer(geometry, dtype))
     return {
         "model_type": config.model_type,
         "family": adapter.family,
@@ -73,7 +75,7 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
         "params": count_params(model),
         "attention_params": attn,
         "dtype": str(dtype).replace("torch.", ""),
-        "kv_cache_bytes_per_token": sum(per_layer),
+        "kv_cache_bytes_per_token": None if per_layer is None else sum(per_layer),
         "kv_cache_bytes_per_token_per_layer": per_layer,
         "grouped_query": any(g.num_kv_heads != g.num_heads for g in geometry),
         # prune --unit head: layers whose KV heads serve different numbers of query heads

@@ -263,6 +263,10 @@ def kv_heads_cell(row: dict[str, Any]) -> str:
     return f"{row['kv_heads_before']} → {row['kv_heads_after']}" + (f" ({'+'.join(map(str, sizes))})" if sizes else "")
 
 
+def _count(n: int | None) -> str:
+    return "n/a" if n is None else f"{n:,}"  # None: an encoder keeps no KV cache
+
+
 def markdown_table(result: PruneResult, config_kind: str) -> str:
     """The summary as markdown (the model card's table)."""
     lines = ["| layer | query heads | KV heads | removed (original indices) |", "|---:|---:|---:|---|"]
@@ -275,7 +279,7 @@ def markdown_table(result: PruneResult, config_kind: str) -> str:
              "kv_cache_bytes_per_token": "KV-cache bytes per token", "total_heads": "query heads",
              "total_kv_heads": "KV heads"}
     for k, v in result.totals().items():
-        lines.append(f"| {names[k]} | {v['before']:,} | {v['after']:,} |")
+        lines.append(f"| {names[k]} | {_count(v['before'])} | {_count(v['after'])} |")
     if result.eval_before is not None:
         metric = "perplexity" if "perplexity" in result.eval_before else "accuracy"
         lines.append(f"| eval loss | {result.eval_before['loss']:.4f} | {result.eval_after['loss']:.4f} |")

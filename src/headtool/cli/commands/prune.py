@@ -82,6 +82,9 @@ def _render(console, ref: str, result, kind: str, eval_info, written, dry_run: b
              "total_heads": ("query heads", str), "total_kv_heads": ("KV heads", str)}
     for k, v in result.totals().items():
         label, fmt = names[k]
+        if v["before"] is None:  # an encoder's KV cache: none to change
+            tot.add_row(label, "n/a", "n/a", "")
+            continue
         change = (v["after"] - v["before"]) / v["before"] * 100 if v["before"] else 0.0
         tot.add_row(label, fmt(v["before"]), fmt(v["after"]), f"{change:+.1f}%")
     if result.eval_before is not None:
