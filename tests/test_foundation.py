@@ -111,8 +111,10 @@ def test_info_reports_the_right_numbers(family, tmp_path):
     # q, k, v, o weights (+ biases where present) of 3 layers
     assert info["attention_params"] >= 3 * (2 * 32 * 32 + 2 * 32 * 8 * EXPECTED_KV[family])
     # fp32; an encoder keeps no KV cache (n/a, as eval --speed says)
+    # (gemma2, gemma3_text: the one global layer; the two sliding-window layers are stated apart)
     assert info["kv_cache_bytes_per_token"] == (None if family in ("bert", "roberta") else
-                                                3 * 2 * EXPECTED_KV[family] * 8 * 4)
+                                                (1 if family in ("gemma2", "gemma3_text") else 3)
+                                                * 2 * EXPECTED_KV[family] * 8 * 4)
     for key in ("model_type", "family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
                 "params", "attention_params", "kv_cache_bytes_per_token"):
         assert key in info

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoModelForMaskedLM
 from typer.testing import CliRunner
 
@@ -75,3 +76,56 @@ def test_pruning_an_encoder_summarises_its_kv_cache_as_n_a(tmp_path):
     assert totals["kv_cache_bytes_per_token"] == {"before": None, "after": None}
     assert "| KV-cache bytes per token | n/a | n/a |" in (tmp_path / "out" / "README.md").read_text()
 
+
+
+@pytest.mark.parametrize("family,overrides,windows", [
+    ("gemma3_text", {}, [8, 8, None]),
+    ("gemma2", {}, [8, None, 8]),
+    ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), [None, 8, 8]),
+    ("mistral", dict(sliding_window=8), [8, 8, 8]),
+    ("phi3", dict(sliding_window=8), [8, 8, 8]),
+    ("llama", {}, None),
+])
+def test_sliding_window_layers_are_bounded_by_their_window(family, overrides, windows):
+    """info counted a sliding-window layer's cache as growing with every token (gemma3_text: 384 B per
+    token where the two local layers stop at their window): per token now counts the global layers,
+    and the window layers are stated apart, as the cache transformers builds holds them."""
+    from headtool.measure.speed import cache_bytes
+
+    model = tiny_model(family, **overrides)
+    info = model_info(model, adapter_for(model.config))
+    per_layer = 2 * 2 * 8 * 4
+    assert info["kv_cache_bytes_per_token_per_layer"] == [per_layer] * 3
+    assert info.get("kv_cache_window_per_layer") == windows
+    n_global = 3 if windows is None else windows.count(None)
+    assert info["kv_cache_bytes_per_token"] == n_global * per_layer
+    if windows is not None:
+        assert info["kv_cache_window_bytes"] == (3 - n_global) * per_layer * 8
+    # the cache of a 20-token sequence: the global layers hold 20 tokens, a window layer at most 8
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(5, 100, (1, 20)), use_cache=True)
+    measured, _ = cache_bytes(out.get("cache", None) or out.get("past_key_values"))
+    assert info["kv_cache_bytes_per_token"] * 20 <= measured <= \
+        info["kv_cache_bytes_per_token"] * 20 + info.get("kv_cache_window_bytes", 0)
+
+
+def test_info_states_the_window_layers_apart(tmp_path):
+    folder = save_tiny("gemma3_text", tmp_path / "g3")
+    res = runner.invoke(app, ["info", str(folder), "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["kv_cache_bytes_per_token"] == 128 and info["kv_cache_window_bytes"] == 2048
+    assert "in the 1 global layer " in res.stderr
+    assert "2 of 3 layers, window 8 tokens: at most 2.0 KiB" in res.stderr
+
+
+def test_conversions_compare_every_layers_bytes_per_token():
+    """convert-gqa / convert-mla budget and compare every layer's bytes (a model whose every layer slides
+    would otherwise read '0 B -> 0 B, 0.00x smaller')."""
+    from headtool.surgery import latent, merging
+
+    model = tiny_model("mistral", sliding_window=8)
+    adapter = adapter_for(model.config)
+    for figures in (merging.summary_figures(model, adapter), latent.summary_figures(model, adapter)):
+        assert figures["kv_cache_bytes_per_token"] == 3 * 2 * 2 * 8 * 4
+        assert figures["kv_cache_window_per_layer"] == [8, 8, 8] and figures["kv_cache_window_bytes"] == 3072

@@ -195,6 +195,23 @@ class Adapter:
             n -= int(getattr(config, "pad_token_id", None) or 0) + 1
         return n
 
+    def cache_windows(self, config) -> list[int | None]:
+        """Per layer, the most tokens its KV cache holds: the sliding window (Gemma 2/3's local layers,
+        Mistral's or Phi-3's `sliding_window` on every layer, Qwen's layers past max_window_layers) or
+        the attention chunk; None where the cache grows with the whole context. As transformers builds
+        the cache: `layer_types` where the config has them, else `sliding_window` for every layer."""
+        n = self.num_layers(config)
+
+        def tokens(key: str) -> int | None:
+            v = getattr(config, key, None)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        window, chunk = tokens("sliding_window"), tokens("attention_chunk_size")
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, (list, tuple)) and len(types) == n:
+            return [window if t == "sliding_attention" else chunk if t == "chunked_attention" else None
+                    for t in types]
+        return [window or chunk] * n
+
     def num_layers(self, config) -> int:
         return int(getattr(config, self.layers_key))
 

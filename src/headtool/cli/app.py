@@ -155,6 +155,11 @@ def info(
 ) -> None:
     """Architecture, layers, query/KV heads, head_dim, parameters, KV-cache bytes per token.
 
+    KV-cache bytes per token: what one more token adds to the cache, in the layers whose cache grows
+    with the context; sliding-window layers (Gemma 2/3 local layers, a config's sliding_window) hold
+    at most their window and are stated apart (kv_cache_window_bytes in --json). An encoder keeps no
+    KV cache (n/a; null in --json).
+
     Example: headtool info smollm2-135m --json | jq .num_kv_heads
     """
     from ..workflows.info import InfoRequest, run_info

@@ -67,6 +67,8 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
         ("dtype", f["dtype"]),
         ("KV cache per token", kv_cell(f)),
     ]
+    if window_cell(f):
+        rows.append(("KV cache, sliding window", window_cell(f)))
     if f.get("kv_group_sizes"):  # prune --unit head
         uneven = f["kv_group_sizes"]
         rows.insert(4, ("KV groups", "query heads per KV head differ in "
@@ -85,7 +87,26 @@ def kv_cell(f: dict[str, Any]) -> str:
     per_token = f["kv_cache_bytes_per_token"]
     if per_token is None:
         return "n/a (an encoder keeps no KV cache)"
-    return f"{human_bytes(per_token)} ({per_token:,} B)"
+    windows = f.get("kv_cache_window_per_layer") or []
+    if windows and all(w is not None for w in windows):
+        return "0 B once the context fills the windows: every layer's cache is bounded by its sliding window"
+    text = f"{human_bytes(per_token)} ({per_token:,} B)"
+    if any(w is not None for w in windows):
+        n = sum(w is None for w in windows)
+        text += f" in the {n} global layer{'s' if n > 1 else ''} (the sliding-window layers apart)"
+    return text
+
+
+def window_cell(f: dict[str, Any]) -> str | None:
+    """The sliding-window layers' bounded cache (None for a model without them)."""
+    windows = f.get("kv_cache_window_per_layer") or []
+    sliding = [w for w in windows if w is not None]
+    if not sliding:
+        return None
+    size = value_range(sliding)
+    return (f"{len(sliding)} of {len(windows)} layers, window {size} tokens: at most "
+            f"{human_bytes(f['kv_cache_window_bytes'])} ({f['kv_cache_window_bytes']:,} B) in all, whatever "
+            "the context")
 
 
 def eval_table(result: dict[str, Any]) -> Table:

@@ -49,6 +49,24 @@ def kv_cache_bytes_per_token(geometry: list[LayerHeads], dtype: torch.dtype) -> 
     return sum(kv_cache_bytes_per_layer(geometry, dtype))
 
 
+def window_figures(per_layer: list[int], windows: list[int | None]) -> dict[str, Any]:
+    """The sliding-window layers' cache: per layer its window in tokens (None: a global layer) and
+    the most bytes those layers hold together, once the context fills their windows."""
+    return {"kv_cache_window_per_layer": windows,
+            "kv_cache_window_bytes": sum(b * w for b, w in zip(per_layer, windows) if w is not None)}
+
+
+def conversion_figures(info: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """`keys` of model_info for the before/after columns of a conversion (convert-gqa, convert-mla),
+    whose budgets (--kv-cache) are fractions of every layer's bytes per token: there
+    kv_cache_bytes_per_token counts the sliding-window layers too (their cache until the window
+    fills), and the window figures come along where the model has such layers."""
+    out = {k: info[k] for k in keys}
+    if info["kv_cache_bytes_per_token_per_layer"] is not None:
+        out["kv_cache_bytes_per_token"] = sum(info["kv_cache_bytes_per_token_per_layer"])
+    return {**out, **{k: info[k] for k in ("kv_cache_window_per_layer", "kv_cache_window_bytes") if k in info}}
+
+
 def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     """The stable `info --json` keys (per-layer lists where layers differ)."""
     config = model.config
@@ -61,6 +79,7 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     # an encoder keeps no cache at all (None: n/a, as eval --speed reports it)
     per_layer = (None if not adapter.caches_kv(config) else
                  latent_cache_bytes_per_layer(spec, dtype) if spec else kv_cache_bytes_per_layer(geometry, dtype))
+    windows = adapter.cache_windows(config) if per_layer is not None else [None] * len(geometry)
     return {
         "model_type": config.model_type,
         "family": adapter.family,
@@ -75,8 +94,12 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
         "params": count_params(model),
         "attention_params": attn,
         "dtype": str(dtype).replace("torch.", ""),
-        "kv_cache_bytes_per_token": None if per_layer is None else sum(per_layer),
+        # what one more token adds: the layers whose cache grows with the context (a sliding-window
+        # layer's is bounded by its window, stated apart below)
+        "kv_cache_bytes_per_token": None if per_layer is None else
+        sum(b for b, w in zip(per_layer, windows) if w is None),
         "kv_cache_bytes_per_token_per_layer": per_layer,
+        **(window_figures(per_layer, windows) if any(w is not None for w in windows) else {}),
         "grouped_query": any(g.num_kv_heads != g.num_heads for g in geometry),
         # prune --unit head: layers whose KV heads serve different numbers of query heads
         **({"kv_group_sizes": {i: list(g.group_sizes) for i, g in enumerate(geometry) if g.uneven}}

@@ -52,7 +52,7 @@ from ..arch import Adapter, LayerHeads, latent_families
 from ..arch.heads import layer_tensor_names
 from ..errors import UsageError
 from ..measure.calibration import NormedGrams, attention_input_grams, normed_head_grams
-from ..model.info import model_info
+from ..model.info import conversion_figures, model_info
 from ..model.latent import install_latent
 from ..model.placement import require_resident_weights
 from .compensation import DEFAULT_ANCHOR, sequential_refit
@@ -612,5 +612,5 @@ def convert_model_latent(original, adapter: Adapter, kv_rank: int | Sequence[int
 def summary_figures(model, adapter: Adapter) -> dict[str, Any]:
     """Parameters and KV cache of a model (before/after columns of the summary)."""
     info = model_info(model, adapter)
-    return {k: info[k] for k in ("params", "attention_params", "kv_cache_bytes_per_token",
-                                 "kv_cache_bytes_per_token_per_layer", "num_kv_heads", "num_heads")}
+    return conversion_figures(info, ("params", "attention_params", "kv_cache_bytes_per_token",
+                                     "kv_cache_bytes_per_token_per_layer", "num_kv_heads", "num_heads"))

@@ -40,7 +40,7 @@ import torch
 from ..arch import Adapter, LayerHeads
 from ..arch.heads import assemble, extract_heads, layer_tensor_names
 from ..errors import UsageError
-from ..model.info import model_info
+from ..model.info import conversion_figures, model_info
 from ..model.placement import require_resident_weights
 from ..model.resize import resize_attention
 from .compensation import DEFAULT_ANCHOR, sequential_refit
@@ -598,8 +598,8 @@ def convert_in_place(model, adapter: Adapter, plans: Sequence[LayerPlan], method
 def summary_figures(model, adapter: Adapter) -> dict[str, Any]:
     """Parameters and KV cache of a model (before/after columns of the summary)."""
     info = model_info(model, adapter)
-    return {k: info[k] for k in ("params", "attention_params", "kv_cache_bytes_per_token", "num_kv_heads",
-                                 "total_kv_heads", "num_heads")}
+    return conversion_figures(info, ("params", "attention_params", "kv_cache_bytes_per_token", "num_kv_heads",
+                                      "total_kv_heads", "num_heads"))
 
 
 @dataclass

@@ -42,7 +42,10 @@ def _tables(summary: dict[str, Any]):
     t.add_row("parameters", f"{human_int(b['params'])} -> {human_int(a['params'])} "
                             f"({a['params'] - b['params']:+,})")
     t.add_row("attention parameters", f"{human_int(b['attention_params'])} -> {human_int(a['attention_params'])}")
-    t.add_row("KV cache per token", f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
+    # a model with sliding-window layers: the conversion counts every layer (info: the global ones)
+    kv_label = "KV cache per token" + (" (every layer, windows not full)" if b.get("kv_cache_window_per_layer")
+                                       else "")
+    t.add_row(kv_label, f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
                                     f"{human_bytes(a['kv_cache_bytes_per_token'])} "
                                     f"({summary['kv_cache_reduction']:.2f}x smaller)")
     t.add_row("written", f"{summary['chosen']}" + (f" ({summary['config_kind']} config)"
