@@ -169,6 +169,11 @@ def test_read_scores_file_problems(tmp_path, folders):
     # --fraction was ignored beside --iterative-fraction; rounds past all heads ran and gated off nothing
     (["--iterative", "2", "--fraction", "0.2", "--iterative-fraction", "0.1"], "give one of them"),
     (["--iterative", "5", "--iterative-fraction", "0.5"], "keep their product below 1"),
+    # 12 heads, half of them over 100 rounds: 94 rounds re-scored the model and gated off nothing
+    (["--iterative", "100"], "gates off 6 of the 12 heads, fewer than one a round: give --iterative 6 or fewer, "
+                             "or a higher --fraction"),
+    (["--iterative", "10", "--fraction", "0.75"], "gates off 9 of the 12 heads, fewer than one a round: give "
+                                                 "--iterative 9 or fewer (one head"),
     (["-o", "/nonexistent/dir/s.json"], "does not exist"),
     (["--plot", "/nonexistent/dir/s.png"], "does not exist"),
 ])

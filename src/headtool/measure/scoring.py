@@ -540,6 +540,12 @@ def score_heads(
         raise UsageError(f"--iterative {iterative} with {asked} gates off {sum(counts)} of the "
                          f"{sum(g.num_heads for g in geometry)} heads, but one head per layer stays: at most "
                          f"{gateable} can go; lower {asked.split()[0]}")
+    if iterative and 0 in counts:  # (those rounds re-scored the model and gated off nothing: 94 of --iterative 100)
+        target = sum(counts)
+        raise UsageError(f"--iterative {iterative} with --fraction {0.5 if fraction is None else fraction} gates off "
+                         f"{target} of the {sum(g.num_heads for g in geometry)} heads, fewer than one a round: "
+                         f"give --iterative {target} or fewer" + (", or a higher --fraction" if target < gateable else
+                                                                  " (one head per layer always stays)"))
     alive = [[True] * g.num_heads for g in geometry]
     last_raw: Matrix = [[0.0] * g.num_heads for g in geometry]
     order: list[list[int]] = []
