@@ -129,3 +129,19 @@ def test_conversions_compare_every_layers_bytes_per_token():
     for figures in (merging.summary_figures(model, adapter), latent.summary_figures(model, adapter)):
         assert figures["kv_cache_bytes_per_token"] == 3 * 2 * 2 * 8 * 4
         assert figures["kv_cache_window_per_layer"] == [8, 8, 8] and figures["kv_cache_window_bytes"] == 3072
+
+
+def test_speed_refuses_new_tokens_for_an_encoder(tmp_path):
+    """eval --speed --new-tokens 8 on bert was accepted and titled '8 decode steps' where decode is n/a."""
+    folder = save_tiny("bert", tmp_path / "bert")
+    res = runner.invoke(app, ["eval", str(folder), "--speed", "--context", "16", "--new-tokens", "8",
+                              "--repeats", "1", "--warmup", "0"])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "--new-tokens 8" in lines[0] and "does not generate" in lines[0]
+    assert "Traceback" not in res.stderr
+    res = runner.invoke(app, ["eval", str(folder), "--speed", "--context", "16", "--repeats", "1", "--warmup", "0",
+                              "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["settings"]["new_tokens"] is None
+    assert "decode steps" not in res.stderr and "no decode" in res.stderr

@@ -205,7 +205,8 @@ def eval_cmd(
     context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default "
                                                    f"{_SPEED.context})", rich_help_panel="Speed")] = None,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="decode steps with the KV cache "
-                                                      f"(default {_SPEED.new_tokens})",
+                                                      f"(default {_SPEED.new_tokens}; an encoder does not "
+                                                      "decode: prefill only)",
                                                       rich_help_panel="Speed")] = None,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="timed runs per model; the median is "
                                                    f"reported (default {_SPEED.repeats})",
@@ -242,7 +243,8 @@ def eval_cmd(
         refuse_loss_options(ctx)
         spec = SpeedSpec(**{k: v for k, v in speed_opts.items() if v is not None})
         ds = data_spec or DataSpec()
-        doc = run_speed(SpeedRequest(fields["models"], spec, source=ds.source, seed=ds.seed, load=load))
+        doc = run_speed(SpeedRequest(fields["models"], spec, source=ds.source, seed=ds.seed, load=load,
+                                     new_tokens_given=new_tokens is not None))
         err_console().print(speed_table(doc))
         if json_out:
             print_json(doc)

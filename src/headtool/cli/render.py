@@ -231,8 +231,9 @@ def heads_cell(r: dict[str, Any]) -> str:
 def speed_table(doc: dict[str, Any]) -> Table:
     """Prefill/decode throughput, KV cache and memory of models side by side (ratios to the first)."""
     s = doc["settings"]
-    t = Table(title=f"headtool eval --speed (batch {s['batch']} x context {s['context']}, {s['new_tokens']} decode "
-                    f"steps, median of {s['repeats']} after {s['warmup']} warm-up, {s['threads']} threads, "
+    decode = "no decode" if s.get("new_tokens") is None else f"{s['new_tokens']} decode steps"
+    t = Table(title=f"headtool eval --speed (batch {s['batch']} x context {s['context']}, {decode}"
+                    f", median of {s['repeats']} after {s['warmup']} warm-up, {s['threads']} threads, "
                     f"{s['device']})", title_justify="left")
     for col in ("model", "prefill tok/s", "ratio", "decode tok/s", "ratio", "ms/step", "KV cache", "ratio",
                 "peak mem Δ", "heads"):

@@ -43,6 +43,7 @@ class SpeedRequest:
     source: str = "builtin:pydoc"
     seed: int = 0
     load: LoadOptions = field(default_factory=LoadOptions)
+    new_tokens_given: bool = False  # --new-tokens was typed (refused where no model decodes)
 
 
 def run_eval(req: EvalRequest, *, skip_given: bool = False) -> dict[str, Any]:
@@ -156,6 +157,11 @@ def run_speed(req: SpeedRequest) -> dict[str, Any]:
         if not tokenizers_agree(first.tokenizer, lm.tokenizer):
             raise UsageError(f"{lm.ref} uses another tokenizer than {refs[0]}; --speed runs every model on the "
                              "same tokens, so they must share a tokenizer")
+    decoders = [lm.task == "causal-lm" for lm in loaded]
+    if req.new_tokens_given and not all(decoders):
+        lm = loaded[decoders.index(False)]
+        raise UsageError(f"--new-tokens {spec.new_tokens}: {lm.ref} is a {lm.task} model, which does not generate "
+                         "(eval --speed times its prefill only, decode n/a); leave --new-tokens out")
     for lm in loaded:
         mp = max_positions(lm.config)
         need = spec.context + (spec.new_tokens if lm.task == "causal-lm" else 0)
@@ -163,8 +169,9 @@ def run_speed(req: SpeedRequest) -> dict[str, Any]:
             raise UsageError(f"{lm.ref}: --context {spec.context} + --new-tokens {spec.new_tokens} exceeds the "
                              f"model's {mp} positions; lower --context")
     ids = speed_input_ids(first.tokenizer, spec, source, seed)
-    info(f"speed: {len(refs)} model(s), batch {spec.batch} x context {spec.context}, {spec.new_tokens} decode "
-         f"steps, {spec.warmup} warm-up + {spec.repeats} timed runs each, {torch.get_num_threads()} threads")
+    decode = f"{spec.new_tokens} decode steps" if any(decoders) else "prefill only (no decode: no KV cache)"
+    info(f"speed: {len(refs)} model(s), batch {spec.batch} x context {spec.context}, {decode}, "
+         f"{spec.warmup} warm-up + {spec.repeats} timed runs each, {torch.get_num_threads()} threads")
     results = measure_models([(lm.ref, lm.model, lm.task == "causal-lm") for lm in loaded], ids, spec,
                              on_round=lambda r: info(f"  round {r + 1}/{spec.repeats} done"))
     for lm, res in zip(loaded, results):
@@ -176,7 +183,7 @@ def run_speed(req: SpeedRequest) -> dict[str, Any]:
                    **{k: figures[k] for k in ("kv_rank", "rope_dim") if k in figures})
     return {
         "format": FORMAT,
-        "settings": {**asdict(spec), "source": source, "seed": seed, "threads": torch.get_num_threads(),
+        "settings": {**asdict(spec), **({} if any(decoders) else {"new_tokens": None}), "source": source, "seed": seed, "threads": torch.get_num_threads(),
                      "device": str(first.device), "torch": torch.__version__,
                      "order": "interleaved rounds, order rotated each round; median of the timed runs"},
         "memory_method": MEMORY_METHOD,
