@@ -145,3 +145,23 @@ def test_speed_refuses_new_tokens_for_an_encoder(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["settings"]["new_tokens"] is None
     assert "decode steps" not in res.stderr and "no decode" in res.stderr
+
+
+def test_info_of_a_latent_model_names_no_kv_heads(tmp_path):
+    """info --json of a convert-mla output said num_kv_heads 2 (the heads it replaced) beside kv_rank, and
+    grouped_query true: the latent is what every query head reads; the replaced heads are source_num_kv_heads."""
+    src = save_tiny("llama", tmp_path / "src")
+    res = runner.invoke(app, ["convert-mla", str(src), "--kv-rank", "6", "--rope-dim", "4", "-o", str(tmp_path / "mla"),
+                              "--data", "builtin:pydoc", "--max-samples", "4", "--seq-len", "16"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["info", str(tmp_path / "mla"), "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["kv_rank"] == 6 and doc["num_kv_heads"] is None and doc["total_kv_heads"] is None
+    assert doc["grouped_query"] is None and doc["source_num_kv_heads"] == 2
+    assert doc["kv_cache_bytes_per_token"] == 3 * (6 + 4) * 4
+    assert "replaces 2 KV heads" in res.stderr
+    res = runner.invoke(app, ["eval", str(src), str(tmp_path / "mla"), "--data", "builtin:pydoc", "--max-samples",
+                              "2", "--seq-len", "16", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["results"][1]["total_kv_heads"] is None and "12/latent" in res.stderr

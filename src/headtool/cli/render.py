@@ -76,7 +76,7 @@ def info_table(ref: str, f: dict[str, Any]) -> Table:
     if "kv_rank" in f:  # convert-mla output: the cache holds a latent, not the source's KV heads
         rows[3] = ("latent attention", f"kv_rank {_fmt_list(f['kv_rank'], every=True)} + shared rotary key "
                                        f"{f['rope_dim']} dims per token and layer (replaces "
-                                       f"{_fmt_list(f['num_kv_heads'])} KV heads)")
+                                       f"{_fmt_list(f['source_num_kv_heads'])} KV heads)")
     for k, v in rows:
         t.add_row(k, v)
     return t

@@ -80,7 +80,7 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     per_layer = (None if not adapter.caches_kv(config) else
                  latent_cache_bytes_per_layer(spec, dtype) if spec else kv_cache_bytes_per_layer(geometry, dtype))
     windows = adapter.cache_windows(config) if per_layer is not None else [None] * len(geometry)
-    return {
+    out = {
         "model_type": config.model_type,
         "family": adapter.family,
         "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
@@ -107,3 +107,8 @@ def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
         **({"kv_rank": _uniform_or_list([int(r) for r in spec["kv_rank"]]), "rope_dim": int(spec["rope_dim"])}
            if spec else {}),
     }
+    if spec:  # latent attention keeps no KV heads: every query head reads the one latent of its layer
+        out.update(num_kv_heads=None, total_kv_heads=None, grouped_query=None,
+                   source_num_kv_heads=_uniform_or_list([g.num_kv_heads for g in geometry]))
+        out.pop("kv_group_sizes", None)
+    return out
