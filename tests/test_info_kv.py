@@ -165,3 +165,12 @@ def test_info_of_a_latent_model_names_no_kv_heads(tmp_path):
                               "2", "--seq-len", "16", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["results"][1]["total_kv_heads"] is None and "12/latent" in res.stderr
+
+
+def test_speed_refuses_a_context_past_robertas_positions(tmp_path):
+    """RoBERTa's positions start after the padding index (130 rows take 128 tokens): --context 129 passed the
+    check and failed inside the model with an internal error."""
+    folder = save_tiny("roberta", tmp_path / "rob")
+    res = runner.invoke(app, ["eval", str(folder), "--speed", "--context", "129", "--repeats", "1", "--warmup", "0"])
+    assert res.exit_code == 2, res.output
+    assert "--context 129 exceeds the model's 128 positions" in res.stderr and "internal error" not in res.stderr

@@ -163,10 +163,12 @@ def run_speed(req: SpeedRequest) -> dict[str, Any]:
         raise UsageError(f"--new-tokens {spec.new_tokens}: {lm.ref} is a {lm.task} model, which does not generate "
                          "(eval --speed times its prefill only, decode n/a); leave --new-tokens out")
     for lm in loaded:
-        mp = max_positions(lm.config)
+        # learned positions: what the model takes (RoBERTa's start after the padding index: 514 -> 512)
+        mp = lm.adapter.max_positions(lm.config) or max_positions(lm.config)
         need = spec.context + (spec.new_tokens if lm.task == "causal-lm" else 0)
         if mp is not None and need > mp:
-            raise UsageError(f"{lm.ref}: --context {spec.context} + --new-tokens {spec.new_tokens} exceeds the "
+            plus = f" + --new-tokens {spec.new_tokens}" if lm.task == "causal-lm" else ""  # (an encoder: none)
+            raise UsageError(f"{lm.ref}: --context {spec.context}{plus} exceeds the "
                              f"model's {mp} positions; lower --context")
     ids = speed_input_ids(first.tokenizer, spec, source, seed)
     decode = f"{spec.new_tokens} decode steps" if any(decoders) else "prefill only (no decode: no KV cache)"
