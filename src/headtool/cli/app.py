@@ -205,8 +205,8 @@ def eval_cmd(
     context: Annotated[Optional[int], typer.Option("--context", help="prompt tokens per sequence (default "
                                                    f"{_SPEED.context})", rich_help_panel="Speed")] = None,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", help="decode steps with the KV cache "
-                                                      f"(default {_SPEED.new_tokens}; an encoder does not "
-                                                      "decode: prefill only)",
+                                                      f"(default {_SPEED.new_tokens}); an encoder does not "
+                                                      "decode (prefill only)",
                                                       rich_help_panel="Speed")] = None,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help="timed runs per model; the median is "
                                                    f"reported (default {_SPEED.repeats})",
