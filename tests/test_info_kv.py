@@ -174,3 +174,11 @@ def test_speed_refuses_a_context_past_robertas_positions(tmp_path):
     res = runner.invoke(app, ["eval", str(folder), "--speed", "--context", "129", "--repeats", "1", "--warmup", "0"])
     assert res.exit_code == 2, res.output
     assert "--context 129 exceeds the model's 128 positions" in res.stderr and "internal error" not in res.stderr
+
+
+def test_a_figure_under_a_kib_is_not_given_twice():
+    """The info table said '384 B (384 B)': the exact count is added only where the unit rounds."""
+    from headtool.cli.render import kv_cell
+
+    assert kv_cell({"kv_cache_bytes_per_token": 384}) == "384 B"
+    assert kv_cell({"kv_cache_bytes_per_token": 1536}) == "1.5 KiB (1,536 B)"

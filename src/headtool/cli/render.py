@@ -35,6 +35,11 @@ def human_bytes(n: int | float | None) -> str:
     return f"{n:.0f} B"
 
 
+def exact_bytes(n: int) -> str:
+    """human_bytes with the exact count beside it where it rounds ('1.5 KiB (1,536 B)', but '384 B')."""
+    return human_bytes(n) + (f" ({n:,} B)" if abs(n) >= 1024 else "")
+
+
 def value_range(v: Any) -> str:
     """One value, or a per-layer list as `lo..hi` (a list of equal values as that value)."""
     if isinstance(v, list):
@@ -90,7 +95,7 @@ def kv_cell(f: dict[str, Any]) -> str:
     windows = f.get("kv_cache_window_per_layer") or []
     if windows and all(w is not None for w in windows):
         return "0 B once the context fills the windows: every layer's cache is bounded by its sliding window"
-    text = f"{human_bytes(per_token)} ({per_token:,} B)"
+    text = exact_bytes(per_token)
     if any(w is not None for w in windows):
         n = sum(w is None for w in windows)
         text += f" in the {n} global layer{'s' if n > 1 else ''} (the sliding-window layers apart)"
@@ -105,7 +110,7 @@ def window_cell(f: dict[str, Any]) -> str | None:
         return None
     size = value_range(sliding)
     return (f"{len(sliding)} of {len(windows)} layers, window {size} tokens: at most "
-            f"{human_bytes(f['kv_cache_window_bytes'])} ({f['kv_cache_window_bytes']:,} B) in all, whatever "
+            f"{exact_bytes(f['kv_cache_window_bytes'])} in all, whatever "
             "the context")
 
 
