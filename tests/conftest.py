@@ -55,3 +55,13 @@ def _threads(request):
     torch.set_num_threads(before if request.node.get_closest_marker("realmodel") else 1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def pydoc_text(tmp_path):
+    """A text file of the first 40 pydoc topics: enough blocks of English for tiny models' evaluations."""
+    import pydoc_data.topics as t
+
+    p = tmp_path / "text.txt"
+    p.write_text("\n\n".join(list(t.topics.values())[:40]))
+    return p

@@ -12,15 +12,6 @@ from tiny_models import save_tiny
 runner = CliRunner()
 
 
-@pytest.fixture()
-def pydoc_text(tmp_path):
-    import pydoc_data.topics as t
-
-    p = tmp_path / "text.txt"
-    p.write_text("\n\n".join(list(t.topics.values())[:40]))
-    return p
-
-
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 def test_eval_two_models_same_batches(family, tmp_path, pydoc_text):
     a = save_tiny(family, tmp_path / "a", seed=0)

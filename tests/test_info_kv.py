@@ -17,15 +17,6 @@ from tiny_models import save_tiny, tiny_model
 runner = CliRunner()
 
 
-@pytest.fixture()
-def pydoc_text(tmp_path):
-    import pydoc_data.topics as t
-
-    p = tmp_path / "text.txt"
-    p.write_text("\n\n".join(list(t.topics.values())[:40]))
-    return p
-
-
 @pytest.mark.parametrize("model_type", BERT.model_types)
 def test_every_encoder_family_keeps_no_kv_cache(model_type):
     """info said 768 B per token for bert while eval --speed said n/a: an encoder has no KV cache."""
