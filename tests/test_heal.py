@@ -506,6 +506,36 @@ def test_a_bfloat16_student_reports_the_figures_of_the_weights_it_writes(pair, t
     assert doc["before"]["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.parametrize("before_distill,warned", [(0.0, True), (1e9, False)])
+def test_rounding_that_leaves_the_kept_weights_worse_than_the_student_is_said(pair, text, monkeypatch,
+                                                                                before_distill, warned):
+    """Keep-best chooses on the float32 weights; rounded to bfloat16 they can end worse held-out than
+    the student as it came, and only the table's arrow said so. A scripted training whose step 0 has
+    the given held-out distill: the rounded weights' real figure (> 0) is worse than 0, better than 1e9."""
+    import headtool.workflows.heal as heal_mod
+    from headtool.data.batches import make_batches
+    from headtool.train.healing import HealResult
+
+    teacher, student = pair
+    lm = load_model(str(student), dtype="float32", device="cpu")
+    lm.model.to(torch.bfloat16)
+    held = make_batches(DataSpec(source=str(text), seq_len=16, batch_size=2, max_samples=2), lm.tokenizer, "lm")
+    said: list[str] = []
+    monkeypatch.setattr(heal_mod, "warn", said.append)
+    evals = [{"step": 0, "distill": before_distill, "total": before_distill},
+             {"step": 1, "distill": -1.0, "total": -1.0}]
+    scripted = HealResult(steps=1, total_steps=1, tokens=0, elapsed_s=0.0, losses=[0.0], distill_losses=[0.0],
+                          evals=evals, best_step=1, final_step_weights=True, trainable_params=0, kind="logits")
+    teacher_model = load_model(str(teacher), dtype="float32", device="cpu").model
+    res = heal_mod.heal_in_float32(lm.model, teacher_model, held.batches, HealOptions(max_steps=1), "lm",
+                                   lambda: scripted)
+    assert res.extra["after"]["distill"] > 0 and next(lm.model.parameters()).dtype == torch.bfloat16
+    assert bool(said) == warned, said
+    if warned:
+        assert "rounded to bfloat16, the kept weights (step 1) are worse held-out than the student as it came" \
+            in said[0], said
+
+
 def test_held_out_mlm_figures_are_what_eval_measures(text, tmp_path):
     """A masked LM's held-out loss weighed each batch by its tokens, not by its masked positions:
     with a last batch of one block (as many masked positions as a whole batch here), its perplexity

@@ -3,6 +3,7 @@ in the student's own format (the training loop itself is `train.healing`)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -31,7 +32,7 @@ from ..train.healing import (
     state_folder,
     use_bf16,
 )
-from ..train.options import objective_text
+from ..train.options import best_figure, objective_text
 from .data_plan import blocks_all_read, part_blocks, same_source_name
 from .requests import HealRequest
 
@@ -177,7 +178,18 @@ def heal_in_float32(student: torch.nn.Module, teacher: torch.nn.Module, held_bat
                                     bf16=use_bf16(opts, next(student.parameters()).device))
             result.extra["after"] = {"step": result.best_step, **rounded, "weights_dtype": _dtype_name(out_dtype)}
             result.extra["after_unrounded"] = unrounded
+            _warn_rounding_undid(result, best_figure(opts), _dtype_name(out_dtype))
     return result
+
+
+def _warn_rounding_undid(result: HealResult, figure: str, dtype: str) -> None:
+    """Keep-best chose on the float32 weights; rounded to `dtype` they may end worse held-out than the
+    student as it came: say so, with both figures, rather than let the table's arrow say it alone."""
+    before, after = result.to_json().get("before"), result.extra["after"]
+    if before and result.best_step and figure in before and after.get(figure, -math.inf) > before[figure]:
+        warn(f"rounded to {dtype}, the kept weights (step {result.best_step}) are worse held-out than the "
+             f"student as it came ({figure} {after[figure]:.4f} against {before[figure]:.4f}): the heal's gain "
+             "is below the rounding; train longer or at a higher --lr, or heal a float32 copy")
 
 
 def _dtype_name(of) -> str:
