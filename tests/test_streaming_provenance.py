@@ -171,3 +171,20 @@ def test_a_bfloat16_checkpoint_streams_with_the_figures_loading_gives(tmp_path, 
     assert set(streamed) == set(memory)
     assert _result({**streamed, "data_read": None}) == _result({**memory, "data_read": None})
     assert streamed["summary"]["totals"]["kv_cache_bytes_per_token"] == {"before": 192, "after": 160}  # 2 bytes each
+
+
+def test_streamed_convert_gqa_json_is_the_in_memory_summary(fitted, tmp_path):
+    """`convert-gqa --streaming --json` printed only {path, config_kind, files}; the in-memory --json
+    prints the conversion's summary (figures before and after, KV heads, the merge): the same now."""
+    command = ["convert-gqa", fitted, "--kv-heads", "1", "--merge", "mean", "--json"]
+    docs = {mode: json.loads(_ok(*command, "-o", tmp_path / mode, *(["--streaming"] if mode == "streamed" else [])))
+            for mode in ("memory", "streamed")}
+    memory, streamed = docs["memory"], docs["streamed"]
+    assert set(streamed) == set(memory), set(streamed) ^ set(memory)
+    assert streamed["path"] == str(tmp_path / "streamed") and memory["path"] == str(tmp_path / "memory")
+    assert streamed["config_kind"] == memory["config_kind"]
+    same = ("before", "after", "kv_cache_reduction", "num_kv_heads_before", "num_kv_heads_after", "chosen", "merge",
+            "kv_heads", "grouping", "eval_before", "eval_data")
+    assert {k: streamed[k] for k in same} == {k: memory[k] for k in same}
+    assert [r["method"] for r in streamed["results"]] == ["mean"]
+    assert streamed["before"]["kv_cache_bytes_per_token"] > streamed["after"]["kv_cache_bytes_per_token"]

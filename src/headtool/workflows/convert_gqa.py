@@ -36,7 +36,8 @@ from .requests import ConvertRequest, parse_anchor
 
 @dataclass
 class ConvertRun:
-    """The summary of an in-memory conversion, or what a streamed one wrote."""
+    """The summary of a conversion (the same shape in memory and streamed) and, streamed, what was
+    written."""
 
     summary: dict[str, Any] | None
     streamed: dict[str, Any] | None
@@ -180,10 +181,16 @@ def _run_streaming(req: ConvertRequest, methods: list[str]) -> ConvertRun:
     def meta(after) -> dict[str, Any]:
         return convert_meta(req, summary(after), plans, seen=[], source_path=ck.path, streaming=True)
 
+    def card(after, kind) -> str:
+        resized.append(after)
+        return card_table(summary(after))
+
+    resized: list = []  # the weightless model after surgery: the summary's figures after
     written = stream_convert_mean(ck, req.kv_heads, req.output, meta=meta, overwrite=req.overwrite,
-                                  shard_size=req.shard_size,
-                                  card_table=lambda after, kind: card_table(summary(after)))
-    return ConvertRun(summary=None, streamed=written)
+                                  shard_size=req.shard_size, card_table=card)
+    # the summary the in-memory path prints (--json): no forward pass, so no held-out or eval figures
+    done = {**summary(resized[-1]), "config_kind": written["config_kind"], "path": written["path"]}
+    return ConvertRun(summary=done, streamed=written)
 
 
 @dataclass

@@ -94,7 +94,7 @@ def convert_gqa_cmd(ctx: typer.Context, json_out: JsonOpt = False, fields=None, 
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
         if json_out:
-            print_json(run.streamed)
+            print_json(run.summary)
         return
     for table in _tables(run.summary):
         err_console().print(table)
