@@ -257,3 +257,24 @@ def test_kv_targets_leave_layers_that_have_so_few_kv_heads_already():
     assert valid_kv_targets(geometry[:3]) == [1, 2]
     assert merged_geometry(geometry[:3], 2) == [LayerHeads(4, 2, 8), LayerHeads(6, 2, 8), LayerHeads(3, 1, 8)]
     assert valid_kv_targets([LayerHeads(4, 1, 8)]) == []
+
+
+@pytest.mark.parametrize("command", [["convert-gqa", "--kv-heads", "2"], ["convert-mla", "--kv-rank", "4"]])
+@pytest.mark.parametrize("anchor", ["auto", "0,1"])
+def test_anchor_candidates_without_held_out_blocks_exit_2(tmp_path, command, anchor):
+    """--anchor auto (or a list) with --heldout-samples 0 chose each layer's anchor on the calibration
+    blocks the refit was fitted to (where the weakest anchor fits best), unsaid: refused now."""
+    src = save_tiny("llama", tmp_path / "src", num_key_value_heads=4)
+    r = runner.invoke(app, [command[0], str(src), *command[1:], "--anchor", anchor, "--heldout-samples", "0",
+                            "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.stderr
+    assert f"--anchor {anchor}" in r.stderr and "--heldout-samples 0" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_one_anchor_without_held_out_blocks_is_allowed():
+    from headtool.workflows.requests import ConvertRequest, LatentRequest
+
+    for anchor in ("1", "0.1,inf"):
+        ConvertRequest(model="m", kv_heads=1, anchor=anchor, heldout_samples=0, output="o").validate()
+        LatentRequest(model="m", kv_rank=4, anchor=anchor, heldout_samples=0, output="o").validate()

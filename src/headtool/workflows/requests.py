@@ -141,6 +141,20 @@ def _check_no_heldout(request) -> None:
         refuse_unused(given(request, ("heldout_data",)), "with held-out blocks, which --heldout-samples 0 turns off")
 
 
+def _check_anchor_choice(request) -> None:
+    """Several --anchor candidates (auto or a list) are chosen between per layer on held-out blocks; with
+    --heldout-samples 0 they were chosen on the calibration blocks the refits were fitted to, where the
+    weakest anchor fits best (the choice said nothing about text beyond them, and nothing said so)."""
+    anchors = parse_anchor(request.anchor)
+    finite = {a for a in (anchors if isinstance(anchors, tuple) else (anchors,)) if a != float("inf")}
+    if request.heldout_samples == 0 and len(finite) > 1:  # (inf, no refit, is a candidate anyway)
+        from ..errors import UsageError
+
+        raise UsageError(f"--anchor {request.anchor}: each layer's anchor is chosen on held-out blocks, and "
+                         "--heldout-samples 0 leaves none (on the calibration blocks the refit was fitted to, the "
+                         "weakest anchor would always win): give one anchor, or held-out blocks")
+
+
 def _check_streaming(request) -> None:
     """--streaming builds no model: it reads and writes tensors file to file, on this machine's CPU.
     Options that place a model (--device, --device-map, --max-memory, --sequential) would do nothing;
@@ -431,6 +445,8 @@ class ConvertRequest:
             refuse_unused(given(self, ("heldout_samples", "heldout_data")),
                            f"to a conversion that calibrates: {reads_no_data(recipe=False)}")
         _check_no_heldout(self)
+        if self.refits:
+            _check_anchor_choice(self)
         if len(self.methods) > 1 and self.heldout_samples == 0 and self.eval_data is None:
             from ..errors import UsageError
 
@@ -529,6 +545,7 @@ class LatentRequest:
             refuse_unused(given(self, ("anchor", "heldout_samples", "heldout_data")),
                            "to the output-projection refit, which --no-refit turns off")
         _check_no_heldout(self)
+        _check_anchor_choice(self)
         _check_eval_samples(self)
         if self.rope_dim is not None and self.rope_dim % 2:
             raise UsageError(f"--rope-dim {self.rope_dim}: must be even (rotary dims come in pairs)")
