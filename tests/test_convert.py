@@ -259,6 +259,45 @@ def test_kv_targets_leave_layers_that_have_so_few_kv_heads_already():
     assert valid_kv_targets([LayerHeads(4, 1, 8)]) == []
 
 
+def test_merges_chosen_on_the_evaluation_say_so_and_record_it(tmp_path):
+    """Several --merge with --heldout-samples 0 and --eval-data were chosen on the evaluation blocks,
+    whose loss of the written merge was then reported as a result, unsaid: a warning names what chose it,
+    the summary and the card say so, the figure is marked in-domain, and the blocks are recorded as
+    fitted on (so `headtool eval` starts after them)."""
+    src = save_tiny("llama", tmp_path / "src", num_key_value_heads=4)
+    out = tmp_path / "out"
+    r = _cli(src, "--kv-heads", 2, "--merge", "mean,fit", "--data", "builtin:pydoc", "--max-samples", 4,
+             "--seq-len", 16, "--heldout-samples", 0, "--eval-data", "builtin:licenses", "--eval-samples", 2,
+             "-o", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    losses = {x["method"]: x["eval"]["loss"] for x in doc["results"]}
+    assert doc["chosen"] == min(losses, key=losses.get) and doc["chosen_on"] == "eval_data"
+    assert doc["eval_data"]["in_domain"] is True
+    err = " ".join(r.stderr.split())
+    assert "warning:" in err and "chosen on the --eval-data blocks of builtin:licenses" in err
+    assert "which chose the merge" in err
+    meta = json.loads((out / "headtool.json").read_text())
+    assert meta["summary"]["chosen_on"] == "eval_data"
+    fitted = {e["source"]: e["blocks"] for e in meta["data_read"] if e["role"] == "fit"}
+    assert fitted["builtin:licenses"] == 2 and fitted["builtin:pydoc"] == 4
+    card = (out / "README.md").read_text()
+    assert "chosen on the evaluation blocks" in card
+
+
+def test_one_merge_or_held_out_blocks_choose_without_the_evaluation(tmp_path):
+    src = save_tiny("llama", tmp_path / "src", num_key_value_heads=4)
+    r = _cli(src, "--kv-heads", 2, "--merge", "mean,fit", "--data", "builtin:pydoc", "--max-samples", 8,
+             "--seq-len", 16, "--heldout-samples", 2, "--eval-data", "builtin:licenses", "--eval-samples", 2,
+             "-o", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["chosen_on"] == "heldout_data" and doc["eval_data"]["in_domain"] is False
+    assert "warning:" not in r.stderr
+    meta = json.loads((tmp_path / "out" / "headtool.json").read_text())
+    assert [e["role"] for e in meta["data_read"] if e["source"] == "builtin:licenses"] == ["eval"]
+
+
 @pytest.mark.parametrize("command", [["convert-gqa", "--kv-heads", "2"], ["convert-mla", "--kv-rank", "4"]])
 @pytest.mark.parametrize("anchor", ["auto", "0,1"])
 def test_anchor_candidates_without_held_out_blocks_exit_2(tmp_path, command, anchor):

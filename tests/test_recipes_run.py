@@ -110,6 +110,22 @@ def test_convert_step_records_how_close_the_merges_were(tiny_folders, tmp_path):
     assert gap[other]["difference"] == pytest.approx(losses[other] - losses[kept], rel=1e-4, abs=1e-6)
 
 
+def test_convert_step_choosing_on_its_eval_data_says_so_and_records_it(tiny_folders, tmp_path):
+    """A convert_gqa step with several merges, heldout_samples 0 and eval_data chose the merge on the
+    evaluation blocks, unsaid: the row and a warning say so, and the output records them as fitted on."""
+    r = tmp_path / "merge.yaml"
+    r.write_text(f"model: {tiny_folders['decoder']}\ndtype: float32\nseed: 0\n"
+                 "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 4}\n"
+                 "steps:\n  - convert_gqa: {kv_heads: 1, merge: 'mean,fit', heldout_samples: 0, "
+                 "eval_data: 'builtin:licenses', eval_samples: 2}\n")
+    res = runner.invoke(app, ["run", str(r), "-o", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    step = json.loads(res.stdout)["steps"][1]
+    assert step["merge_chosen_on"] == "eval_data" and "chosen on the --eval-data blocks" in " ".join(res.stderr.split())
+    meta = json.loads((tmp_path / "out" / "headtool.json").read_text())
+    assert {e["role"] for e in meta["data_read"] if e["source"] == "builtin:licenses"} == {"fit", "eval"}
+
+
 def test_sequential_recipe_equals_the_plain_one(tiny_folders, tmp_path, monkeypatch):
     """`sequential: true` routes compensation and data-aware merging through the one-layer-at-a-time
     path (as --sequential does); on CPU it must write the weights of the plain run."""

@@ -670,6 +670,15 @@ def evaluation_reads() -> Iterator[None]:
         _EVALUATING.pop()
 
 
+def read_to_fit(info: dict) -> None:
+    """Blocks made to evaluate on that then chose the model (convert-gqa's merge among several, with no
+    held-out blocks): the logs of `blocks_read` see them again as fitted on, so that the written model's
+    record says so and `headtool eval` starts after them and marks a figure on their source in-domain."""
+    entry = {k: v for k, v in info.items() if k != "role"}
+    for log_ in _READ_LOGS:
+        log_.append(entry)
+
+
 def leading_blocks(info: dict) -> dict[tuple[str, int, int], int]:
     """(source, seq_len, seed) -> how many of the source's first blocks (in its seeded order) a
     Batches read, skipped ones included; every part of a mixture but `self`. A single-source cut

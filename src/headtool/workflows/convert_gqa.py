@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from ..console import info
-from ..data.batches import blocks_read, resolve_auto
+from ..console import info, warn
+from ..data.batches import blocks_read, read_to_fit, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
@@ -79,6 +79,8 @@ def card_table(summary: dict[str, Any]) -> str:
     compared = merge_line(summary)
     if compared:
         lines += ["", compared]
+    if summary.get("chosen_on") == "eval_data":
+        lines += ["", "The merge was chosen on the evaluation blocks (no held-out blocks): its eval loss flatters it."]
     refit = next((r.get("refit") for r in summary["results"] if r["method"] == summary["chosen"]), None)
     if refit:
         held = summary.get("heldout_data") or {}
@@ -114,7 +116,7 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
     cal, held, ev, methods = done.calibration, done.heldout, done.evaluation, done.methods
     after = summary_figures(best.model, lm.adapter)
     summary = convert_summary(req, methods, best.method, best.plans, lm.geometry, before, after, results,
-                              eval_before=eval_before, data=(cal, held, ev))
+                              eval_before=eval_before, data=(cal, held, ev), chosen_on=done.chosen_on)
     meta = convert_meta(req, summary, best.plans, seen=seen, source_path=lm.path)
     if ev:
         summary["eval_data"] = {**ev.info, "in_domain": fitted_on(meta[RECORD], ev.info)}
@@ -127,13 +129,14 @@ def run_convert_gqa(req: ConvertRequest) -> ConvertRun:
 
 def convert_summary(req: ConvertRequest, methods: list[str], chosen: str, plans: Sequence[LayerPlan],
                     geo_before: Sequence[Any], before: dict, after: dict, results: list[dict], *,
-                    eval_before: dict | None = None, data: tuple = (None, None, None)) -> dict[str, Any]:
+                    eval_before: dict | None = None, data: tuple = (None, None, None),
+                    chosen_on: str | None = None) -> dict[str, Any]:
     """The conversion's summary (`--json`, and headtool.json's `summary`); `data`: the calibration,
-    held-out and evaluation blocks (Batches or None)."""
+    held-out and evaluation blocks (Batches or None); `chosen_on`: which of them chose the merge."""
     cal, held, ev = data
     return {
         "model": req.model, "output": req.output, "kv_heads": req.kv_heads, "grouping": req.grouping, "merge": methods,
-        "chosen": chosen, "damping": req.damping,
+        "chosen": chosen, "chosen_on": chosen_on, "damping": req.damping,
         "num_kv_heads_before": [g.num_kv_heads for g in geo_before],
         "num_kv_heads_after": [p.new_geo.num_kv_heads for p in plans],
         "before": before, "after": after,
@@ -158,7 +161,7 @@ def convert_meta(req: ConvertRequest, summary: dict[str, Any], plans: Sequence[L
         "options": {"kv_heads": req.kv_heads, "grouping": req.grouping, "merge": summary["merge"],
                     "refit": req.refit, "damping": req.damping, "anchor": req.anchor},
         "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
-                                             "calibration_data", "heldout_data", "eval_data")},
+                                             "chosen_on", "calibration_data", "heldout_data", "eval_data")},
         RECORD: written_record(seen, source_path),
     }
 
@@ -206,6 +209,8 @@ class Converted:
     calibration: Any
     heldout: Any
     evaluation: Any
+    #: what chose the written merge among several: "heldout_data" or "eval_data" (None: one method)
+    chosen_on: str | None = None
 
 
 def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
@@ -256,4 +261,10 @@ def convert_loaded(lm: LoadedModel, req: ConvertRequest, *, calib_device=None,
         del conv
     if best_verdict is not None and len(methods) > 1:
         record_gaps(results, verdicts, best_verdict)
-    return Converted(best, methods, results, before, eval_before, cal, held, ev)
+    chosen_on = None if len(methods) == 1 else "heldout_data" if held else "eval_data"
+    if chosen_on == "eval_data":  # (validate refuses several merges with neither)
+        read_to_fit(ev.info)
+        warn(f"--merge {','.join(methods)} with --heldout-samples 0: `{best.method}` was chosen on the --eval-data "
+             f"blocks of {ev.info.get('source')}, so its evaluation figure flatters it (recorded as fitted on); "
+             "held-out blocks would choose without touching the evaluation")
+    return Converted(best, methods, results, before, eval_before, cal, held, ev, chosen_on)

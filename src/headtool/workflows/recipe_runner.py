@@ -195,6 +195,8 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
             for r in done.results if "standard_error" in r}
     if gaps:  # the other methods' held-out loss above the kept one's, paired over the same blocks
         out["heldout_gap"] = gaps
+    if done.chosen_on == "eval_data":  # no held-out blocks: the step's eval blocks chose the merge (warned)
+        out["merge_chosen_on"] = "eval_data"
     if done.calibration is not None:
         out["data"] = done.calibration.info.get("source")
     if done.eval_before:

@@ -51,7 +51,9 @@ def _tables(summary: dict[str, Any]):
     t.add_row("written", f"{summary['chosen']}" + (f" ({summary['config_kind']} config)"
                                                   if summary.get("config_kind") else ""))
     ev_data = summary.get("eval_data")
-    m = Table(title="merge methods" + (f" (eval: {ev_data['samples']} blocks of {ev_data['source']}, held out"
+    chose = summary.get("chosen_on") == "eval_data"  # no held-out blocks: the evaluation chose the merge
+    m = Table(title="merge methods" + (f" (eval: {ev_data['samples']} blocks of {ev_data['source']}, "
+                                       + ("which chose the merge" if chose else "held out")
                                        + (f"; {IN_DOMAIN_NOTE}" if ev_data.get("in_domain") else "") + ")"
                                        if ev_data else ""), title_justify="left")
     for col in ("method", "refit layers kept", "held-out calib loss", "eval loss", "perplexity", "time"):
