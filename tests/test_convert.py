@@ -285,6 +285,21 @@ def test_merges_chosen_on_the_evaluation_say_so_and_record_it(tmp_path):
     assert "chosen on the evaluation blocks" in card
 
 
+@pytest.mark.parametrize("command", [["convert-gqa", "--kv-heads", "2", "--merge", "fit"],
+                                     ["convert-mla", "--kv-rank", "4"]])
+def test_card_says_what_judged_the_refit_without_held_out_blocks(tmp_path, command):
+    """The card said each layer's refit was 'chosen on held-out blocks of `the calibration data`' with
+    --heldout-samples 0: there were none; it was judged on the calibration blocks it was fitted to."""
+    src = save_tiny("llama", tmp_path / "src", num_key_value_heads=4)
+    r = runner.invoke(app, [command[0], str(src), *command[1:], "--data", "builtin:pydoc", "--max-samples", "4",
+                            "--seq-len", "16", "--heldout-samples", "0", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.stderr
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Output-projection refit per layer" in card
+    assert "held-out blocks of `the calibration data`" not in card
+    assert "calibration blocks it was fitted to: no held-out blocks, --heldout-samples 0" in card
+
+
 def test_one_merge_or_held_out_blocks_choose_without_the_evaluation(tmp_path):
     src = save_tiny("llama", tmp_path / "src", num_key_value_heads=4)
     r = _cli(src, "--kv-heads", 2, "--merge", "mean,fit", "--data", "builtin:pydoc", "--max-samples", 8,

@@ -601,3 +601,14 @@ def refit_table(report: Sequence[dict]) -> str:
         cells.append("kept" if r["kept"] else "rejected")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def refit_heading(heldout: dict | None) -> str:
+    """The model card's line above `refit_table` for a conversion: what judged each layer's refit (its
+    anchor, or none): held-out blocks (their Batches info), or without any the calibration blocks it was
+    fitted to, where a refit nearly always looks better than none."""
+    what = "Output-projection refit per layer (anchor: the pull toward the weights without a refit, "
+    if heldout:
+        return what + f"chosen on held-out blocks of `{heldout.get('source')}`):"
+    return what + ("kept where it lowered the error on the calibration blocks it was fitted to: no held-out "
+                   "blocks, --heldout-samples 0):")

@@ -19,7 +19,7 @@ from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.latent import refuse_latent_surgery
 from ..model.loading import LoadedModel, cast_dtype, load_model
 from ..model.placement import require_resident_weights, sequential_placement
-from ..surgery.compensation import refit_table
+from ..surgery.compensation import refit_heading, refit_table
 from ..surgery.merging import (
     CONVERT_INSTEAD,
     GROUPINGS,
@@ -83,10 +83,7 @@ def card_table(summary: dict[str, Any]) -> str:
         lines += ["", "The merge was chosen on the evaluation blocks (no held-out blocks): its eval loss flatters it."]
     refit = next((r.get("refit") for r in summary["results"] if r["method"] == summary["chosen"]), None)
     if refit:
-        held = summary.get("heldout_data") or {}
-        lines += ["", "Output-projection refit per layer (anchor: the pull toward the weights without a refit, "
-                  f"chosen on held-out blocks of `{held.get('source', 'the calibration data')}`):", "",
-                  refit_table(refit)]
+        lines += ["", refit_heading(summary.get("heldout_data")), "", refit_table(refit)]
     return "\n".join(lines)
 
 

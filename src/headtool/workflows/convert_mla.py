@@ -18,7 +18,7 @@ from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
-from ..surgery.compensation import refit_table
+from ..surgery.compensation import refit_heading, refit_table
 from ..surgery.latent import (
     CONVERT_INSTEAD,
     LatentConverted,
@@ -48,10 +48,7 @@ def card_table(summary: dict[str, Any]) -> str:
     if summary.get("eval_before"):
         lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | {summary['eval_after']['loss']:.4f} |")
     if summary.get("refit"):
-        held = summary.get("heldout_data") or {}
-        lines += ["", "Output-projection refit per layer (anchor: the pull toward the weights without a refit, "
-                  f"chosen on held-out blocks of `{held.get('source', 'the calibration data')}`):", "",
-                  refit_table(summary["refit"])]
+        lines += ["", refit_heading(summary.get("heldout_data")), "", refit_table(summary["refit"])]
     return "\n".join(lines)
 
 
