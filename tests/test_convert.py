@@ -332,3 +332,24 @@ def test_one_anchor_without_held_out_blocks_is_allowed():
     for anchor in ("1", "0.1,inf"):
         ConvertRequest(model="m", kv_heads=1, anchor=anchor, heldout_samples=0, output="o").validate()
         LatentRequest(model="m", kv_rank=4, anchor=anchor, heldout_samples=0, output="o").validate()
+
+
+def test_help_and_refusal_name_the_families_convert_gqa_converts(tmp_path):
+    """--help said it converts MHA to GQA while gpt2/opt/bert (MHA) were refused with 'use prune': both
+    name the families whose config has a KV-head setting now, the list the adapter registry gives."""
+    import re
+
+    import typer.main
+
+    from headtool.arch import kv_head_families
+
+    text = " ".join(typer.main.get_command(app).commands["convert-gqa"].help.split())
+    listed = re.search(r"Families whose config sets the KV heads, MHA checkpoints included: ([^.]+)\.", text)
+    assert listed and listed.group(1).split(", ") == kv_head_families()
+    for family, instead in (("gpt2", "convert-mla"), ("opt", "convert-mla"), ("bert", "prune")):
+        src = save_tiny(family, tmp_path / family)
+        r = _cli(src, "--kv-heads", 2, "-o", tmp_path / "out")
+        line = " ".join(r.stderr.split())
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"convert-gqa converts {', '.join(kv_head_families())}" in line and instead in line
+        assert ("convert-mla" in line) is (family != "bert")

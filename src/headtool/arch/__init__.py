@@ -11,9 +11,9 @@ from .base import (
     HeadTensor,
     LayerHeads,
 )
-from .registry import adapter_for, latent_families, supported_families
+from .registry import adapter_for, kv_head_families, latent_families, supported_families
 
 __all__ = [
     "KINDS", "LAYOUT_KEY", "RESIZE_QUANTITIES", "RESIZE_SPEC_KEY", "Adapter", "ConfigSupport", "HeadTensor", "LayerHeads",
-    "adapter_for", "latent_families", "supported_families",
+    "adapter_for", "kv_head_families", "latent_families", "supported_families",
 ]

@@ -23,6 +23,12 @@ def supported_families() -> list[str]:
     return sorted({mt for a in ALL_ADAPTERS for mt in a.model_types})
 
 
+def kv_head_families() -> list[str]:
+    """Model types whose config sets the KV heads (ConfigSupport.kv_heads): convert-gqa writes a stock
+    GQA/MQA config for them, MHA checkpoints of these families included."""
+    return sorted({mt for a in ALL_ADAPTERS if a.support.kv_heads for mt in a.model_types})
+
+
 def latent_families() -> list[str]:
     """Model types whose attention convert-mla rebuilds exactly (Adapter.latent)."""
     return sorted({mt for a in ALL_ADAPTERS if a.latent for mt in a.model_types})

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
-from ..arch import Adapter, LayerHeads
+from ..arch import Adapter, LayerHeads, kv_head_families
 from ..arch.heads import assemble, extract_heads, layer_tensor_names
 from ..errors import UsageError
 from ..model.info import conversion_figures, model_info
@@ -95,9 +95,11 @@ def valid_kv_targets(geometry: Sequence[LayerHeads]) -> list[int]:
 def check_target(adapter: Adapter, geometry: Sequence[LayerHeads], n: int) -> None:
     """UsageError (exit 2) when `n` KV heads cannot be expressed; lists the valid values."""
     if not adapter.support.kv_heads:
+        instead = ("convert-mla shrinks its KV cache instead, prune removes whole heads" if adapter.latent
+                   else "prune removes whole heads instead")
         raise UsageError(f"convert-gqa: the {adapter.family} family has no KV-head setting in its config "
-                         f"(every query head has its own K/V and the stock model cannot share them); "
-                         f"use prune instead")
+                         f"(every query head has its own K/V and the stock model cannot share them), so it cannot "
+                         f"become GQA or MQA; convert-gqa converts {', '.join(kv_head_families())} ({instead})")
     valid = valid_kv_targets(geometry)
     if n not in valid:
         hs = sorted({g.num_heads for g in geometry if merges(g, n)} or {g.num_heads for g in geometry})

@@ -80,6 +80,11 @@ def convert_gqa_cmd(ctx: typer.Context, json_out: JsonOpt = False, fields=None, 
                     data_spec=None) -> None:
     """Merge K/V heads into --kv-heads groups (MHA to GQA, GQA to fewer groups, to MQA).
 
+    Families whose config sets the KV heads, MHA checkpoints included: gemma, gemma2, gemma3_text,
+    llama, mistral, phi3, qwen2, qwen3. GPT-2, GPT-NeoX, OPT and BERT-style encoders give every
+    query head its own K/V in their config (refused): convert-mla shrinks their cache (not BERT's),
+    prune removes whole heads.
+
     Calibration (--data, default auto: builtin:pydoc mixed with text sampled from the model on a
     causal LM, builtin:pydoc otherwise; 64 blocks) drives similarity grouping and the data-aware
     merges; the output has a standard config with num_key_value_heads = N.
