@@ -133,6 +133,7 @@ def test_uniform_budget_equals_the_plain_kv_rank_run(tmp_path):
 @pytest.mark.parametrize("family, args, rope", [
     ("llama", ["--kv-cache", 0.5], 6),  # 3/8 of the 16 dims a layer may hold
     ("llama", ["--kv-cache", 0.25], 2),  # 3/8 of 8 is 3: even, so 2
+    ("llama", ["--kv-cache", 1], 16),  # the whole cache: every rotary dim of the 2 KV heads (exact)
     ("llama", ["--kv-rank", 6], 8),  # no budget: one head's rotary dims
     ("gpt2", ["--kv-cache", 0.25], 0),  # no RoPE, no rotary key
 ])
@@ -148,6 +149,29 @@ def test_the_default_rope_dim_is_three_eighths_of_the_budget(tmp_path, family, a
     assert doc["rope_dim"] == rope
     if "--kv-cache" in args:
         assert doc["after"]["kv_cache_bytes_per_token"] <= args[1] * doc["before"]["kv_cache_bytes_per_token"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+def test_the_whole_cache_is_exact_at_the_default_rope_dim(tmp_path, family):
+    """--kv-cache 1 took 3/8 of the budget for the rotary key (12 of 32 dims a layer on the tiny
+    llama): the latent was full rank but RoPE was dropped on the other slots, a max logit error of
+    about 7 at today's cache size. Every rotary dim plus the full-rank latent is exactly today's cache:
+    that is the default there now, and the written model gives the original's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import logits_of
+
+    src = save_tiny(family, tmp_path / "src")
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["convert-mla", str(src), "--kv-cache", "1", "--max-samples", "4", "--seq-len", "16",
+                            "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["after"]["kv_cache_bytes_per_token"] == doc["before"]["kv_cache_bytes_per_token"]
+    ids = sample_ids(family, seed=3)
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    converted = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert (logits_of(converted, ids) - logits_of(original, ids)).abs().max().item() <= 1e-4
 
 
 def _heavy_middle_layer(scale: float = 6.0):

@@ -66,14 +66,19 @@ ROPE_SHARE = 3 / 8
 
 def default_rope_dim(geometry, rot: int, kv_cache: float | None) -> int:
     """--rope-dim when none is given: 0 without RoPE; with a --kv-cache budget, ROPE_SHARE of the
-    per-layer budget (even, within what the KV heads rotate); else one head's rotary dims (as
-    DeepSeek and TransMLA)."""
+    per-layer budget (even, within what the KV heads rotate), or every rotary dim of the KV heads
+    where the budget holds the whole cache (--kv-cache 1: the rotary key of all of them plus the
+    full-rank latent is exactly today's size, and the conversion is exact; 3/8 of it dropped RoPE on
+    the other slots, far from exact, at no saving); else one head's rotary dims (as DeepSeek and
+    TransMLA)."""
     if not rot:
         return 0
     if kv_cache is None:
         return rot
-    per_layer = budget_dims(geometry, kv_cache) / len(geometry)
     top = min(g.num_kv_heads for g in geometry) * rot
+    if budget_dims(geometry, kv_cache) >= sum(2 * g.num_kv_heads * g.head_dim for g in geometry):
+        return top
+    per_layer = budget_dims(geometry, kv_cache) / len(geometry)
     return max(2, min(top, 2 * int(per_layer * ROPE_SHARE / 2)))
 
 

@@ -493,18 +493,21 @@ class LatentRequest:
 
     model: str = _model()
     kv_rank: int | None = option(None, "latent dims per token and layer; the cache holds these plus --rope-dim "
-                                 "(full rank, exact: 2 x KV heads x head_dim - --rope-dim); or --kv-cache",
-                                 min=1)
+                                 "(full rank: 2 x KV heads x head_dim - --rope-dim, exact when --rope-dim is KV "
+                                 "heads x rotary dims); or --kv-cache", min=1)
     kv_cache: float | str | None = option(None, "instead of --kv-rank: the cache budget, a fraction in (0, 1] of "
                                           "today's KV-cache bytes per token, as a ratio or a decimal (1/3: the MQA "
                                           "cache of a 3-KV-head model; the budget is never exceeded, so 0.33 is a "
-                                          "little less)", parse=parse_budget)
+                                          "little less; 1 with the default --rope-dim: exact, no compression, where the layers have as many KV "
+                                          "heads)",
+                                          parse=parse_budget)
     rank_allocation: str = option("uniform", "uniform (the same kv_rank in every layer, or a layer's full rank "
                                   "where that is less) | auto (the same total, "
                                   "a different kv_rank per layer: each latent dim goes to the layer whose weighted "
                                   "error it lowers most, from the calibration spectra)", choices=RANK_ALLOCATIONS)
     rope_dim: int | None = option(None, "dims of the rotary key shared by all query heads (even); default with "
-                                  "--kv-cache 3/8 of the per-layer budget (measured best on SmolLM2), with "
+                                  "--kv-cache 3/8 of the per-layer budget (measured best on SmolLM2; at "
+                                  "--kv-cache 1 every rotary dim, exact), with "
                                   "--kv-rank one head's rotary dims; KV heads x rotary dims keeps RoPE exact; 0 "
                                   "(the only value) without RoPE (GPT-2, OPT)", min=0)
     output: str | None = option(None, "output folder", flags=("-o", "--output"), where=RECIPE)
