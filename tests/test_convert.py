@@ -353,3 +353,19 @@ def test_help_and_refusal_name_the_families_convert_gqa_converts(tmp_path):
         assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert f"convert-gqa converts {', '.join(kv_head_families())}" in line and instead in line
         assert ("convert-mla" in line) is (family != "bert")
+
+
+def test_a_conversion_without_calibration_takes_the_block_options_of_its_evaluation(tmp_path):
+    """--merge mean (contiguous, no refit) reads no calibration data, so its data options were all
+    refused, --seq-len too, though --eval-data's blocks are cut with it: the evaluation could only
+    run at the default 128 tokens. --seq-len, --batch-size and --seed apply to it now; the others
+    (and these without --eval-data) are still refused."""
+    src = save_tiny("llama", tmp_path / "src", num_key_value_heads=4)
+    r = _cli(src, "--kv-heads", 2, "--merge", "mean", "--eval-data", "builtin:licenses", "--eval-samples", 2,
+             "--seq-len", 16, "--batch-size", 1, "--seed", 3, "-o", tmp_path / "out", "--json")
+    assert r.exit_code == 0, r.stderr
+    ev = json.loads(r.stdout)["eval_data"]
+    assert (ev["seq_len"], ev["seed"], ev["samples"]) == (16, 3, 2)
+    for args in (["--eval-data", "builtin:licenses", "--max-samples", 4], ["--seq-len", 16]):
+        r = _cli(src, "--kv-heads", 2, "--merge", "mean", *args, "-o", tmp_path / "no")
+        assert r.exit_code == 2 and "reads no data" in r.stderr and args[-2] in r.stderr, r.stderr

@@ -95,7 +95,9 @@ def convert_gqa_cmd(ctx: typer.Context, json_out: JsonOpt = False, fields=None, 
     from ...workflows.convert_gqa import run_convert_gqa
 
     req = ConvertRequest(**fields, data=data_spec or calibration_data(), load=load)
-    if not req.reads_data and (given := given_options(ctx, data_option_names())):
+    # without a calibration the data options are read by nothing, but those that cut the --eval-data blocks
+    shaping = {"seq_len", "batch_size", "seed"} if req.eval_data is not None else set()
+    if not req.reads_data and (given := given_options(ctx, data_option_names() - shaping)):
         raise UsageError(f"{', '.join(given)}: {reads_no_data(recipe=False, remedy='leave the data options out')}")
     run = run_convert_gqa(req)
     if run.streamed is not None:
