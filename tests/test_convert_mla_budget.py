@@ -347,3 +347,15 @@ def test_a_budget_too_small_names_the_least_that_fits(tmp_path, family, rope_dim
     assert f"raise --kv-cache to at least {least}" in r.stderr, r.stderr
     assert ("lower --rope-dim" in r.stderr) == (rope_dim is not None), r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_ratio_budget_is_shown_as_typed(tmp_path):
+    """--kv-cache 1/3 was shown as '--kv-cache 0.333333' in the table (the float it is kept as)."""
+    from headtool.cli.render import fraction_text
+
+    assert [fraction_text(x) for x in (1 / 3, 0.5, 0.4, 3 / 8, 2 / 7, 0.123456789)] == \
+        ["1/3", "0.5", "0.4", "0.375", "2/7", "0.123457"]
+    src = save_tiny("llama", tmp_path / "src")
+    r = _cli(src, tmp_path / "o", "--kv-cache", "1/3")
+    assert r.exit_code == 0, r.stderr
+    assert "--kv-cache 1/3:" in r.stderr, r.stderr

@@ -1,6 +1,7 @@
 """Rich tables and heatmaps for people (always rendered to stderr by the CLI)."""
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any, Sequence
 
 from rich import table as _rich_table
@@ -38,6 +39,15 @@ def human_bytes(n: int | float | None) -> str:
 def exact_bytes(n: int) -> str:
     """human_bytes with the exact count beside it where it rounds ('1.5 KiB (1,536 B)', but '384 B')."""
     return human_bytes(n) + (f" ({n:,} B)" if abs(n) >= 1024 else "")
+
+
+def fraction_text(x: float) -> str:
+    """A fraction as typed: '0.5' as 0.5, a ratio such as 1/3 (stored as 0.333...) as '1/3' rather than
+    the '0.333333' that :g gives; anything else as :g."""
+    if float(f"{x:g}") == x:
+        return f"{x:g}"
+    ratio = Fraction(x).limit_denominator(1000)
+    return f"{ratio.numerator}/{ratio.denominator}" if float(ratio) == x else f"{x:g}"
 
 
 def value_range(v: Any) -> str:

@@ -15,7 +15,7 @@ from ..options import JsonOpt, LoadOptions, command_options, data_options, model
 def _table(summary: dict[str, Any]):
     from ..render import Table
 
-    from ..render import human_bytes, human_int
+    from ..render import fraction_text, human_bytes, human_int
 
     t = Table(title=f"headtool convert-mla: {summary['model']} -> {summary['output']}", show_header=False,
               title_justify="left")
@@ -38,7 +38,7 @@ def _table(summary: dict[str, Any]):
                                     f"{summary['kv_cache_reduction']:.2f}x smaller)")
     if summary.get("kv_cache_budget") is not None:
         budget = summary["kv_cache_budget"] * b["kv_cache_bytes_per_token"]
-        t.add_row("KV cache budget", f"--kv-cache {summary['kv_cache_budget']:g}: {budget:,.0f} B per token, "
+        t.add_row("KV cache budget", f"--kv-cache {fraction_text(summary['kv_cache_budget'])}: {budget:,.0f} B per token, "
                                      f"{a['kv_cache_bytes_per_token']:,} B used")
     layers = summary["layers"]
     if rotary:
