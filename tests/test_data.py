@@ -215,6 +215,25 @@ def test_stdin_terminal_is_refused(monkeypatch):
         load_texts(DataSpec(source="-"))
 
 
+def test_stdin_gives_the_blocks_of_the_same_bytes_in_a_file(monkeypatch, tmp_path, causal):
+    """`--data - < a.txt` and `--data a.txt` are one text: stdin's bytes are decoded as a file's (UTF-8
+    whatever the locale, a BOM dropped, CRLF and CR made LF). Before, a POSIX stdin (text mode,
+    newline='\\n') kept the BOM and the CRs: other tokens, other blocks, another fingerprint."""
+    raw = "\ufeff" + "\r\n".join(SENTENCES) + "\rlast line\r\n"
+    path = tmp_path / "windows.txt"
+    path.write_bytes(raw.encode("utf-8"))
+    spec = DataSpec(seq_len=8, max_samples=6)
+    from_file = make_batches(DataSpec(**{**spec.__dict__, "source": str(path)}), causal, "lm")
+    for stdin in (io.TextIOWrapper(io.BytesIO(raw.encode("utf-8")), encoding="latin-1", newline="\n"),
+                  io.StringIO(raw, newline="")):  # the bytes under any locale; a text-only stream
+        monkeypatch.setattr(sys, "stdin", stdin)
+        piped = make_batches(DataSpec(**{**spec.__dict__, "source": "-"}), causal, "lm")
+        assert piped.info["fingerprint"] == from_file.info["fingerprint"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café".encode("latin-1")), encoding="latin-1"))
+    with pytest.raises(UsageError, match="cannot read stdin as UTF-8"):
+        load_texts(DataSpec(source="-"))
+
+
 def test_licence_texts_found_deduplicated_and_in_path_order(tmp_path):
     """builtin:licenses reads every licence file of the *.dist-info folders (LICENSE*, LICENCE*,
     COPYING*, anything under licenses/), drops texts equal up to whitespace, decodes latin-1."""

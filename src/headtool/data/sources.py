@@ -319,10 +319,15 @@ def _read_stdin() -> str:
             raise UsageError("--data - reads text from stdin, but stdin is a terminal; pipe text in")
     except (AttributeError, ValueError):
         pass
+    # The bytes, decoded as a file's are (`_read_text_file`): UTF-8 whatever the locale, a BOM
+    # dropped, CRLF and CR made LF. A text-mode stdin translates no newlines on POSIX and keeps a
+    # BOM, so `--data - < a.txt` gave other tokens (other blocks) than `--data a.txt`.
+    buffer = getattr(stdin, "buffer", None)
     try:
-        text = stdin.read()
+        text = buffer.read().decode("utf-8-sig") if buffer is not None else stdin.read().removeprefix("\ufeff")
     except UnicodeDecodeError:
         raise UsageError("cannot read stdin as UTF-8 text; convert it to UTF-8") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     _STDIN_READ = (stdin, text)
     return text
 
