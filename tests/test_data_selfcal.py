@@ -319,6 +319,30 @@ def test_grammar(tmp_path):
             parse_sources(bad)
 
 
+def test_paths_with_plus_or_star_mix_like_any_other(tmp_path, tok):
+    """An existing path is one source inside a mixture too, '+' and '*' in it and all (the README: a path
+    may contain '+'). Before, d+x/c++.txt+b.txt split at every '+' ('a source of the mixture is empty')
+    and a*b.txt+b.txt was refused as a bad weight."""
+    folder = tmp_path / "d+x"
+    folder.mkdir()
+    plus, star, b = folder / "c++.txt", tmp_path / "a*b.txt", tmp_path / "b.txt"
+    for path, word in ((plus, "p"), (star, "s"), (b, "b")):
+        path.write_text(" ".join(f"{word}{i}" for i in range(200)))
+    assert parse_sources(f"{plus}+{b}") == [SourcePart(str(plus)), SourcePart(str(b))]
+    assert parse_sources(f"{b} + {plus} * 3") == [SourcePart(str(b)), SourcePart(str(plus), 3)]
+    assert parse_sources(f"{star}+{b}*2") == [SourcePart(str(star)), SourcePart(str(b), 2)]
+    assert parse_sources(f"{star}*2+{plus}") == [SourcePart(str(star), 2), SourcePart(str(plus))]
+    assert parse_sources(f"self+{star}*0.5") == [SourcePart("self"), SourcePart(str(star), 0.5)]
+    mix = make_batches(DataSpec(source=f"{plus}*2+{star}", seq_len=8, max_samples=6), tok, "lm")
+    alone = rows(make_batches(DataSpec(source=str(plus), seq_len=8, max_samples=4), tok, "lm"))
+    assert [p["source"] for p in mix.info["mixture"]] == [str(plus), str(star)]
+    assert rows(mix)[:2] == alone[:2]
+    for bad, msg in [(f"{star}*x+{b}", "not SOURCE\\*WEIGHT"), (f"{tmp_path}/no*pe.txt+{b}", "not SOURCE\\*WEIGHT"),
+                     (f"{plus}++{b}", "empty")]:
+        with pytest.raises(UsageError, match=msg):
+            parse_sources(bad)
+
+
 def test_one_weighted_source_is_that_source(tmp_path, tok):
     p = tmp_path / "a.txt"
     p.write_text(" ".join(f"w{i}" for i in range(300)))

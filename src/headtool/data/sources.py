@@ -23,8 +23,8 @@ Mixtures: one ``--data`` string may combine sources, each with an optional weigh
 
 for example ``builtin:pydoc+self``, ``'a.txt*3+self*1'`` (quote ``*`` in a shell) or
 ``notes.jsonl*0.5+builtin:pydoc``. Spaces around ``+`` and ``*`` are ignored. A string that
-names an existing file or folder is always that one source (a path may contain ``+``); hub
-names cannot contain ``+`` or ``*``. A source may appear only once (give it a weight instead).
+names an existing file or folder is always that one source, and so is a part of a mixture (a path
+may contain ``+`` and ``*``: ``c++notes.txt*2+self``); hub names cannot contain ``+`` or ``*``. A source may appear only once (give it a weight instead).
 The mixture's blocks are interleaved by weighted round-robin (see ``batches.mixture_schedule``):
 position k goes to the source whose next block is due first, due times being
 (blocks it has given + 1) / weight, ties to the source written first; so weights 3 and 1
@@ -163,33 +163,58 @@ def reads_stdin(source) -> bool:
     return isinstance(text, str) and any(part.source == "-" for part in parse_sources(text))
 
 
+def _names_path(text: str) -> bool:
+    """Does `text` name an existing file or folder?"""
+    try:
+        return bool(text) and Path(text).expanduser().exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte: no file
+        return False
+
+
+def _mixture_pieces(source: str) -> list[str]:
+    """`source` cut at '+', except where consecutive pieces (with an optional *WEIGHT) name an existing
+    file or folder: those are one piece, so a path holding '+' (c++notes.txt) can be mixed too."""
+    pieces = source.split("+")
+    out: list[str] = []
+    i = 0
+    while i < len(pieces):
+        j = i + 1
+        for k in range(len(pieces), i + 1, -1):  # the longest run that names a path
+            text = "+".join(pieces[i:k]).strip()
+            m = _WEIGHTED.match(text)
+            if _names_path(text) or (m is not None and _names_path(m.group("source").strip())):
+                j = k
+                break
+        out.append("+".join(pieces[i:j]))
+        i = j
+    return out
+
+
 def parse_sources(source: str) -> list[SourcePart]:
     """The parts of a ``--data`` string (one part unless it is a mixture; grammar above)."""
     if not isinstance(source, str) or not source.strip():
         return [SourcePart(source)]
     if source == "-" or ("+" not in source and "*" not in source):
         return [SourcePart(source)]
-    try:
-        if Path(source).expanduser().exists():
-            return [SourcePart(source)]
-    except OSError:  # a name too long for the file system is no file
-        pass
+    if _names_path(source):
+        return [SourcePart(source)]
     parts: list[SourcePart] = []
-    if any(is_auto(raw.split("*")[0]) for raw in source.split("+")):
+    raws = _mixture_pieces(source)
+    if any(is_auto(raw.split("*")[0]) for raw in raws):
         raise UsageError(f"--data {source!r}: auto stands alone (it chooses the whole source); "
                          f"write the mixture out, e.g. {AUTO_SAMPLING}+notes.txt")
-    for raw in source.split("+"):
+    for raw in raws:
         text = raw.strip()
         weight = Fraction(1)
-        m = _WEIGHTED.match(text)
-        if m is not None:
+        m = None if _names_path(text) else _WEIGHTED.match(text)
+        if m is not None and ("*" not in m.group("source") or _names_path(m.group("source").strip())):
             text, weight = m.group("source").strip(), Fraction(m.group("weight"))
             if weight <= 0:
                 raise UsageError(f"--data {source!r}: the weight of {text or 'a source'} must be above 0")
         if not text:
             raise UsageError(f"--data {source!r}: a source of the mixture is empty "
                              "(write SOURCE[*WEIGHT]+SOURCE[*WEIGHT]...)")
-        if "*" in text:
+        if "*" in text and not _names_path(text):
             raise UsageError(f"--data {source!r}: {text!r} is not SOURCE*WEIGHT with WEIGHT a positive number")
         parts.append(SourcePart(text, weight))
     seen: dict[str, str] = {}
