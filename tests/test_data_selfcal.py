@@ -343,6 +343,17 @@ def test_paths_with_plus_or_star_mix_like_any_other(tmp_path, tok):
             parse_sources(bad)
 
 
+def test_one_file_written_two_ways_is_the_same_source(tmp_path, monkeypatch):
+    """a.txt+./a.txt is a.txt twice (each part gave the same blocks: the mixture read every one of
+    them twice); it is refused as a.txt+a.txt is."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("some words " * 50)
+    monkeypatch.chdir(tmp_path)
+    for mix in ("a.txt+./a.txt", f"a.txt*2+{tmp_path}/a.txt", "self+sub/../a.txt+a.txt"):
+        with pytest.raises(UsageError, match="are the same source; give it once, with a weight"):
+            parse_sources(mix)
+
+
 def test_one_weighted_source_is_that_source(tmp_path, tok):
     p = tmp_path / "a.txt"
     p.write_text(" ".join(f"w{i}" for i in range(300)))

@@ -220,7 +220,7 @@ def parse_sources(source: str) -> list[SourcePart]:
     seen: dict[str, str] = {}
     for p in parts:
         is_self, _ = self_source(p.source)
-        key = "self" if is_self else p.source
+        key = "self" if is_self else source_key(p.source)  # a.txt and ./a.txt are one file
         if key in seen:
             raise UsageError(f"--data {source!r}: {seen[key]} and {p.source} are the same source; "
                              "give it once, with a weight")
