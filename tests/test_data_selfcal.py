@@ -442,6 +442,30 @@ def test_mixture_ends_where_a_source_runs_out(tmp_path, tok):
     assert capped.info["samples"] == 2 * n_small + 1
 
 
+def test_a_part_that_runs_out_is_told_once_in_the_mixtures_numbers(tmp_path, tok, monkeypatch):
+    """With --max-samples, a part that ran out warned in its own share's numbers ('asked for 100
+    blocks but only 32') before the mixture's own warning, and a part whose share of --skip-samples
+    passed its end was refused as '--skip-samples 3000 leaves no data' when 6000 was given. One
+    warning now, in the mixture's numbers, and the refusal names the --skip-samples given; the
+    blocks are those given before."""
+    a, b = _files(tmp_path)
+    n = make_batches(DataSpec(source=a, seq_len=8), tok, "lm").info["samples"]
+    told: list[str] = []
+    monkeypatch.setattr(batches, "warn", told.append)
+    mix = make_batches(DataSpec(source=f"{a}+{b}", seq_len=8, max_samples=4 * n), tok, "lm")
+    assert mix.info["samples"] == 2 * n and [p["samples"] for p in mix.info["mixture"]] == [n, n]
+    assert told == [f"asked for {4 * n} blocks of 8 tokens but {a} ran out after {n}; using {2 * n}"]
+    alone = rows(make_batches(DataSpec(source=a, seq_len=8, max_samples=n), tok, "lm"))
+    assert rows(mix)[0::2] == alone
+    told.clear()
+    skipped = make_batches(DataSpec(source=f"{a}+{b}", seq_len=8, skip_samples=2 * n - 4, max_samples=40), tok, "lm")
+    assert skipped.info["samples"] == 4 and len(told) == 1
+    with pytest.raises(UsageError, match=f"^--skip-samples {4 * n} leaves no data: {a} has no blocks after the "
+                                         f"skipped ones \\(it gives {n} blocks of 8 tokens, its share of the "
+                                         f"skipped {2 * n}\\)"):
+        make_batches(DataSpec(source=f"{a}+{b}", seq_len=8, skip_samples=4 * n, max_samples=4), tok, "lm")
+
+
 def test_self_without_n_or_cap_is_128_blocks_in_a_mixture_too(tmp_path, tok, llama, monkeypatch):
     monkeypatch.setattr(batches, "DEFAULT_SELF_SAMPLES", 3)
     a, _ = _files(tmp_path)

@@ -491,7 +491,13 @@ def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, t
         try:
             if p.read is None:
                 p.read = _read_blocks(pspec, tokenizer, block, p.take, wrap)
-            p.ids, selection = _choose_blocks(p.read, pspec, block, p.take)
+            # A part that runs out gives what it has (the same blocks: its seeded order cut at its
+            # end); the mixture stops there and says so once, in the mixture's own numbers.
+            take = min(p.take, p.read.n_blocks - p.skip) if p.read.exhausted else p.take
+            if take > 0:
+                p.ids, selection = _choose_blocks(p.read, replace(pspec, max_samples=take), block, take)
+            else:
+                p.ids, selection = torch.zeros((0, block), dtype=torch.long), "shuffled"
         except UsageError as e:
             raise context(p, e) from None
         p.info = {"source": p.source, "split": p.read.loaded.split, "text_column": p.read.loaded.text_column,
@@ -511,9 +517,12 @@ def _mixed_batches(spec: DataSpec, parts_in: list[SourcePart], tokenizer: Any, t
             break
         rows.append(p.ids[used[i]])
         used[i] += 1
-    if not rows:
-        raise UsageError(f"--skip-samples {skip} leaves no data: {short.source if short else spec.source} "
-                         "has no blocks after the skipped ones; lower --skip-samples (or --seq-len)")
+    if not rows:  # the first source due after the skipped positions has none left
+        assert short is not None
+        gives = short.read.n_blocks if short.read is not None else short.available
+        raise UsageError(f"--skip-samples {skip} leaves no data: {short.source} has no blocks after the skipped "
+                         f"ones (it gives {gives} blocks of {spec.seq_len} tokens, its share of the skipped "
+                         f"{short.skip}); lower --skip-samples (or --seq-len)")
     if short is not None and cap is not None:
         warn(f"asked for {cap} blocks of {spec.seq_len} tokens but {short.source} ran out after "
              f"{used[parts.index(short)]}; using {len(rows)}")
