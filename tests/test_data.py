@@ -142,6 +142,23 @@ def test_classification_int_labels_padding(tmp_path, bert):
     assert int(x["attention_mask"][1].sum()) == 10 and int(x["input_ids"][1, -1]) == bert.sep_token_id
 
 
+def test_a_nan_label_is_an_empty_label(tmp_path, causal):
+    """A missing label read as NaN (a parquet float column, JSON's NaN) was refused as 'holds
+    non-integer numbers; classification needs class labels', which the integer labels were; it is
+    an empty value, as a null is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a b", "c d", "e f"], "y": [0.0, float("nan"), 1.0]}), tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl").write_text('{"text": "a b", "y": 1}\n{"text": "c d", "y": NaN}\n{"text": "e", "y": 0}\n')
+    for name in ("d.parquet", "d.jsonl"):
+        with pytest.raises(UsageError, match=f"^label column 'y' of .*{name} has 1 empty value\\(s\\); fill or drop them$"):
+            make_batches(DataSpec(source=str(tmp_path / name), label_column="y", seq_len=8), causal, "classification")
+    with pytest.raises(UsageError, match="non-integer numbers"):  # a real fraction is still that
+        pq.write_table(pa.table({"text": ["a", "b"], "y": [0.5, 1.0]}), tmp_path / "f.parquet")
+        make_batches(DataSpec(source=str(tmp_path / "f.parquet"), label_column="y", seq_len=8), causal, "classification")
+
+
 def test_classification_causal_tokenizer_without_pad(tmp_path, causal):
     p = write_jsonl(tmp_path / "d.jsonl", [{"text": "ab", "y": "a"}, {"text": "abcdef", "y": "b"}])
     b = make_batches(DataSpec(source=str(p), label_column="y", seq_len=8), causal, "classification")

@@ -561,8 +561,11 @@ def _weight_json(w: Fraction) -> int | float:
 
 def _label_ids(labels: list, names: list[str] | None, col: str, where: str) -> tuple[list[int], list[str] | None]:
     """Class ids for raw labels; strings map to ids in sorted order (names recorded)."""
-    if any(v is None for v in labels):
-        n = sum(v is None for v in labels)
+    def empty(v: Any) -> bool:  # a missing number is NaN in parquet (pyarrow, polars) and JSON (NaN)
+        return v is None or (isinstance(v, float) and math.isnan(v))
+
+    if any(empty(v) for v in labels):
+        n = sum(empty(v) for v in labels)
         raise UsageError(f"label column '{col}' of {where} has {n} empty value(s); fill or drop them")
     if all(isinstance(v, (bool, int)) for v in labels) or all(
         isinstance(v, (bool, int, float)) and float(v).is_integer() for v in labels
