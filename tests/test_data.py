@@ -443,6 +443,23 @@ def test_error_missing_columns(tmp_path, causal):
         load_texts(DataSpec(source=str(n), text_column="num"))
 
 
+def test_a_text_column_with_a_non_text_value_is_named_with_its_row(tmp_path, causal):
+    """A 'text' column with one number among its strings (or a CSV of a header alone) was answered
+    'cannot tell which column of d.jsonl holds the text (columns: text); pass --text-column': the one
+    column, named text, and the user asked to name it. It is that column, and the refusal says what
+    is in it and where; a header alone has no text."""
+    p = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, {"text": None}, {"text": 5}, {"text": "more"}])
+    with pytest.raises(UsageError, match=r"^column 'text' of .*d.jsonl does not hold text \(found int in row 3\)"):
+        load_texts(DataSpec(source=str(p)))
+    header = tmp_path / "h.csv"
+    header.write_text("text,label\n")
+    with pytest.raises(UsageError, match=r"^no text found in .*h.csv \(column 'text'\)$"):
+        make_batches(DataSpec(source=str(header), seq_len=8), causal, "lm")
+    two = write_jsonl(tmp_path / "two.jsonl", [{"text": 1, "title": "t", "summary": "s"}])
+    with pytest.raises(UsageError, match="cannot tell which column"):  # string columns to choose from: ask
+        load_texts(DataSpec(source=str(two)))
+
+
 def test_error_text_too_short(tmp_path, causal):
     p = tmp_path / "short.txt"
     p.write_text("tiny")

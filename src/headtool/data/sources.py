@@ -749,6 +749,12 @@ def _choose_text_column(table: _Table, wanted: str | None, label: str | None, wh
             return lower[name]
     if len(candidates) == 1:
         return candidates[0]
+    # A column named as text that is not all text (a number among the strings, no rows at all): that
+    # column, so that the user is told what is in it rather than asked which column holds the text.
+    named = {c.lower(): c for c in table.columns if c != label}
+    for name in TEXT_COLUMN_NAMES:
+        if name in named and not candidates:
+            return named[name]
     raise UsageError(
         f"cannot tell which column of {where} holds the text (columns: {', '.join(table.columns) or 'none'}); "
         "pass --text-column"
@@ -766,14 +772,14 @@ def load_source(spec: DataSpec, want_labels: bool) -> _Loaded:
     text_col = _choose_text_column(table, spec.text_column, label_col, where)
     raw = table.get(text_col)
     texts: list[str] = []
-    for v in raw:
+    for row, v in enumerate(raw, 1):
         if v is None:
             texts.append("")
         elif isinstance(v, str):
             texts.append(v)
         else:
             raise UsageError(
-                f"column '{text_col}' of {where} does not hold text (found {type(v).__name__}); "
+                f"column '{text_col}' of {where} does not hold text (found {type(v).__name__} in row {row}); "
                 f"pass --text-column (string columns: {', '.join(table.string_columns) or 'none'})"
             )
     labels = table.get(label_col) if label_col is not None else None
