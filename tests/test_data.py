@@ -460,6 +460,16 @@ def test_a_text_column_with_a_non_text_value_is_named_with_its_row(tmp_path, cau
         load_texts(DataSpec(source=str(two)))
 
 
+def test_a_one_token_text_is_not_told_to_use_seq_len_2(tmp_path, causal):
+    """A text of one token was told 'use --seq-len 2 or less', which fails the same way (a block of
+    2 needs 2 tokens) and --seq-len 1 is refused: it is told to give more text."""
+    p = tmp_path / "one.txt"
+    p.write_text("a")
+    assert len(causal("a", add_special_tokens=False)["input_ids"]) == 1
+    with pytest.raises(UsageError, match=r"has only 1 token, fewer than one block of --seq-len 8; give more text"):
+        make_batches(DataSpec(source=str(p), seq_len=8), causal, "lm")
+
+
 def test_error_text_too_short(tmp_path, causal):
     p = tmp_path / "short.txt"
     p.write_text("tiny")

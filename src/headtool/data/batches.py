@@ -294,11 +294,11 @@ def _read_blocks(spec: DataSpec, tokenizer: Any, block: int, cap: int | None, wr
     if not exhausted:  # keep whole chunks only, so the order matches a full read
         n_blocks = min(n_blocks, target or n_blocks)
     if n_blocks == 0:
-        extra = 2 if wrap else 0
-        raise UsageError(
-            f"{where} has only {len(stream)} tokens, fewer than one block of --seq-len {spec.seq_len}; "
-            f"use --seq-len {max(2, len(stream) + extra)} or less, or more text"
-        )
+        most = len(stream) + (2 if wrap else 0)  # the longest --seq-len that makes a block of this text
+        fix = f"use --seq-len {most} or less, or more text" if most >= 2 else \
+            "give more text (--seq-len is at least 2)"
+        raise UsageError(f"{where} has only {len(stream)} token{'s' if len(stream) != 1 else ''}, fewer than one "
+                         f"block of --seq-len {spec.seq_len}; {fix}")
     return _Read(loaded, where, stream, n_blocks, exhausted)
 
 
