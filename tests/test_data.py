@@ -443,6 +443,18 @@ def test_error_missing_columns(tmp_path, causal):
         load_texts(DataSpec(source=str(n), text_column="num"))
 
 
+def test_a_categorical_text_column_is_a_text_column(tmp_path):
+    """A parquet column of strings stored dictionary-encoded (a pandas category, a polars Categorical)
+    was no string column: 'cannot tell which column of d.parquet holds the text (columns: comment,
+    stars)' with one text column there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    comments = pa.array(["good film", "bad film", "good film"]).dictionary_encode()
+    pq.write_table(pa.table({"comment": comments, "stars": [5, 1, 5]}), tmp_path / "d.parquet")
+    assert load_texts(DataSpec(source=str(tmp_path / "d.parquet"))) == (["good film", "bad film", "good film"], None)
+
+
 def test_a_text_column_with_a_non_text_value_is_named_with_its_row(tmp_path, causal):
     """A 'text' column with one number among its strings (or a CSV of a header alone) was answered
     'cannot tell which column of d.jsonl holds the text (columns: text); pass --text-column': the one

@@ -291,6 +291,8 @@ def _arrow_table(table: Any, split: str | None = None) -> _Table:
     import pyarrow as pa
 
     def is_str(t: Any) -> bool:
+        if pa.types.is_dictionary(t):  # a pandas category / polars Categorical column of strings
+            t = t.value_type
         return pa.types.is_string(t) or pa.types.is_large_string(t) or (
             hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t)
         )
