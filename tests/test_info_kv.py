@@ -122,6 +122,19 @@ def test_conversions_compare_every_layers_bytes_per_token():
         assert figures["kv_cache_window_per_layer"] == [8, 8, 8] and figures["kv_cache_window_bytes"] == 3072
 
 
+@pytest.mark.parametrize("command,args", [("convert-gqa", ["--kv-heads", "1", "--merge", "mean"]),
+                                          ("convert-mla", ["--kv-cache", "0.5", "--no-refit"])])
+def test_a_conversions_table_and_card_say_they_count_every_layer(tmp_path, command, args):
+    """On a model with sliding-window layers a conversion's KV figure counts every layer, where info
+    counts the global ones: the table said so, the model card's row did not."""
+    folder = save_tiny("gemma3_text", tmp_path / "g3")
+    out = tmp_path / "out"
+    res = runner.invoke(app, [command, str(folder), *args, "-o", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "KV cache per token (every layer, windows not full)" in res.stderr
+    assert "| KV cache bytes per token (every layer, windows not full) |" in (out / "README.md").read_text()
+
+
 def test_speed_refuses_new_tokens_for_an_encoder(tmp_path):
     """eval --speed --new-tokens 8 on bert was accepted and titled '8 decode steps' where decode is n/a."""
     folder = save_tiny("bert", tmp_path / "bert")

@@ -67,6 +67,12 @@ def conversion_figures(info: dict[str, Any], keys: tuple[str, ...]) -> dict[str,
     return {**out, **{k: info[k] for k in ("kv_cache_window_per_layer", "kv_cache_window_bytes") if k in info}}
 
 
+def conversion_kv_label(before: dict[str, Any], label: str = "KV cache per token") -> str:
+    """The name of conversion_figures' KV row (tables and model cards): on a model with sliding-window
+    layers it counts every layer, where `info` counts the global ones, and says so."""
+    return label + (" (every layer, windows not full)" if before.get("kv_cache_window_per_layer") else "")
+
+
 def model_info(model: torch.nn.Module, adapter: Adapter) -> dict[str, Any]:
     """The stable `info --json` keys (per-layer lists where layers differ)."""
     config = model.config

@@ -16,6 +16,7 @@ from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import against_text, evaluate, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
+from ..model.info import conversion_kv_label
 from ..model.latent import refuse_latent_surgery
 from ..model.loading import LoadedModel, cast_dtype, load_model
 from ..model.placement import require_resident_weights, sequential_placement
@@ -71,7 +72,8 @@ def card_table(summary: dict[str, Any]) -> str:
              f"| KV heads per layer | {b['num_kv_heads']} | {a['num_kv_heads']} |",
              f"| query heads per layer | {b['num_heads']} | {a['num_heads']} |",
              f"| parameters | {b['params']:,} | {a['params']:,} |",
-             f"| KV cache bytes per token | {b['kv_cache_bytes_per_token']:,} | {a['kv_cache_bytes_per_token']:,} |"]
+             f"| {conversion_kv_label(b, 'KV cache bytes per token')} | {b['kv_cache_bytes_per_token']:,} | "
+             f"{a['kv_cache_bytes_per_token']:,} |"]
     if summary.get("eval_before"):
         lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | "
                      f"{next(r for r in summary['results'] if r['method'] == summary['chosen'])['eval']['loss']:.4f} |")

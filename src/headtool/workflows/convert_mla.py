@@ -16,6 +16,7 @@ from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, written_record
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
+from ..model.info import conversion_kv_label
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
 from ..surgery.compensation import refit_heading, refit_table
@@ -44,7 +45,8 @@ def card_table(summary: dict[str, Any]) -> str:
              f"| attention | {b['num_heads']} query heads, {b['num_kv_heads']} KV heads | latent attention, "
              f"kv_rank {_ranks_text(ranks)}, rope_dim {summary['rope_dim']} |",
              f"| parameters | {b['params']:,} | {a['params']:,} |",
-             f"| KV cache bytes per token | {b['kv_cache_bytes_per_token']:,} | {a['kv_cache_bytes_per_token']:,} |"]
+             f"| {conversion_kv_label(b, 'KV cache bytes per token')} | {b['kv_cache_bytes_per_token']:,} | "
+             f"{a['kv_cache_bytes_per_token']:,} |"]
     if summary.get("eval_before"):
         lines.append(f"| eval loss | {summary['eval_before']['loss']:.4f} | {summary['eval_after']['loss']:.4f} |")
     if summary.get("refit"):

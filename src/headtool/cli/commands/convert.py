@@ -29,6 +29,7 @@ def _tables(summary: dict[str, Any]):
     from ..render import Table
 
     from ...measure.evaluation import PAIRED_NOTE, gap_text  # torch: only once a command runs
+    from ...model.info import conversion_kv_label
     from ..render import human_bytes, human_int
 
     t = Table(title=f"headtool convert-gqa: {summary['model']} -> {summary['output'] or '(not written)'}",
@@ -42,10 +43,7 @@ def _tables(summary: dict[str, Any]):
     t.add_row("parameters", f"{human_int(b['params'])} -> {human_int(a['params'])} "
                             f"({a['params'] - b['params']:+,})")
     t.add_row("attention parameters", f"{human_int(b['attention_params'])} -> {human_int(a['attention_params'])}")
-    # a model with sliding-window layers: the conversion counts every layer (info: the global ones)
-    kv_label = "KV cache per token" + (" (every layer, windows not full)" if b.get("kv_cache_window_per_layer")
-                                       else "")
-    t.add_row(kv_label, f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
+    t.add_row(conversion_kv_label(b), f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
                                     f"{human_bytes(a['kv_cache_bytes_per_token'])} "
                                     f"({summary['kv_cache_reduction']:.2f}x smaller)")
     t.add_row("written", f"{summary['chosen']}" + (f" ({summary['config_kind']} config)"

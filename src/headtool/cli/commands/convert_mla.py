@@ -15,6 +15,7 @@ from ..options import JsonOpt, LoadOptions, command_options, data_options, model
 def _table(summary: dict[str, Any]):
     from ..render import Table
 
+    from ...model.info import conversion_kv_label  # torch: only once a command runs
     from ..render import fraction_text, human_bytes, human_int
 
     t = Table(title=f"headtool convert-mla: {summary['model']} -> {summary['output']}", show_header=False,
@@ -29,10 +30,7 @@ def _table(summary: dict[str, Any]):
     rotary = bool(summary["rope_dim"])
     t.add_row("shared rotary key", f"{summary['rope_dim']} dims" if rotary else "none (no RoPE: learned positions)")
     t.add_row("parameters", f"{human_int(b['params'])} -> {human_int(a['params'])} ({a['params'] - b['params']:+,})")
-    # a model with sliding-window layers: the conversion counts every layer (info: the global ones)
-    kv_label = "KV cache per token" + (" (every layer, windows not full)" if b.get("kv_cache_window_per_layer")
-                                       else "")
-    t.add_row(kv_label, f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
+    t.add_row(conversion_kv_label(b), f"{human_bytes(b['kv_cache_bytes_per_token'])} -> "
                                     f"{human_bytes(a['kv_cache_bytes_per_token'])} "
                                     f"({100 * summary['kv_cache_fraction']:.1f}%, "
                                     f"{summary['kv_cache_reduction']:.2f}x smaller)")
