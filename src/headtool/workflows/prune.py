@@ -201,7 +201,11 @@ def prune_loaded(lm: LoadedModel, req: PruneRequest, *, calib_device=None,
     a recipe passes the original)."""
     tm = text_model or lm
     geometry = lm.geometry
-    req = replace(req, unit=resolve_unit(req.unit, geometry, req.compensate, req.scope))
+    # listed heads are removed as listed: the refit does not choose others in their layers (`auto` is refit
+    # with --compensate, for heads chosen from scores; validate refuses an explicit refit with --heads)
+    listed = req.heads is not None and req.choose_in_layer == "auto"
+    req = replace(req, unit=resolve_unit(req.unit, geometry, req.compensate, req.scope),
+                  choose_in_layer="scores" if listed else req.choose_in_layer)
     spec = with_default_blocks(req.data, req.default_blocks)
     if spec is not None and is_auto(spec.source) and not _reads_data(req, scores):
         spec = None  # the default data, and nothing in this prune reads it

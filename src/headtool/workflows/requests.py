@@ -368,6 +368,9 @@ class PruneRequest:
             raise UsageError("give either --scores or --heads, not both")
         if self.scores is not None or self.heads is not None:  # (it was ignored: the heads came from elsewhere)
             refuse_unused(given(self, ("method",)), "when prune scores the heads itself (no --scores or --heads)")
+        if self.heads is not None and self.choose_in_layer == "refit":  # (it removed other heads than listed)
+            raise UsageError("--choose-in-layer refit picks which heads a layer loses; --heads lists them: "
+                             "leave --choose-in-layer out (listed heads are removed as listed)")
         if not self.compensate:
             flags = self.refit_options_given()
             also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""

@@ -1,0 +1,46 @@
+"""headtool prune as a compression engineer drives it: listed heads, refused combinations, chained prunes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from headtool.cli.app import app
+from tiny_models import save_tiny
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("audit") / "src")
+
+
+def _prune(*args, input=None):
+    return runner.invoke(app, ["prune", *map(str, args)], input=input)
+
+
+def _one_line_exit_2(r, needle: str) -> None:
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("unit", ["head", "query"])
+def test_listed_heads_are_removed_as_listed_with_compensate(llama_src, tmp_path, unit):
+    """--heads with --compensate: the refit chose other heads inside each listed layer (--choose-in-layer
+    auto is refit with --compensate), so the heads removed were not those listed."""
+    heads = {"head": "1:1;2:3", "query": "1:1,3;2:0,2"}[unit]
+    kept = {"head": [[0, 1, 2, 3], [0, 2, 3], [0, 1, 2]], "query": [[0, 1, 2, 3], [0, 2], [1, 3]]}[unit]
+    out = tmp_path / "o"
+    r = _prune(llama_src, "--heads", heads, "--unit", unit, "--compensate", "--data", "builtin:pydoc",
+               "--max-samples", "4", "--seq-len", "16", "-o", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["kept_heads"] == kept
+    assert [row["removed_heads"] for row in res["layers"]][1:] == [sorted(set(range(4)) - set(k)) for k in kept[1:]]
+    assert res["compensation"] and json.loads((out / "headtool.json").read_text())["kept_heads"] == kept
+    r = _prune(llama_src, "--heads", heads, "--unit", unit, "--compensate", "--choose-in-layer", "refit",
+               "--data", "builtin:pydoc", "--max-samples", "4", "--seq-len", "16", "-o", tmp_path / "n")
+    _one_line_exit_2(r, "--choose-in-layer refit")
+    assert not (tmp_path / "n").exists()
