@@ -44,3 +44,18 @@ def test_listed_heads_are_removed_as_listed_with_compensate(llama_src, tmp_path,
                "--data", "builtin:pydoc", "--max-samples", "4", "--seq-len", "16", "-o", tmp_path / "n")
     _one_line_exit_2(r, "--choose-in-layer refit")
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.parametrize("extra,flag", [(["--protect-layers", "1"], "--protect-layers"),
+                                        (["--scope", "layer"], "--scope"),
+                                        (["--normalize", "layer"], "--normalize"),
+                                        (["--normalize", "layer,none", "--allocation-margin", "1"], "--allocation-margin")])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_options_of_a_choice_from_scores_are_refused_with_listed_heads(llama_src, tmp_path, extra, flag, streaming):
+    """--heads 1:1 --protect-layers 1 removed head 1 of the protected layer; --scope / --normalize /
+    --allocation-margin were read by nothing: each is one line, exit 2, nothing written."""
+    out = tmp_path / "o"
+    r = _prune(llama_src, "--heads", "1:1", "--unit", "head", *extra, "-o", out,
+               *(["--streaming"] if streaming else []))
+    _one_line_exit_2(r, flag)
+    assert "--heads lists them" in r.stderr and not out.exists()

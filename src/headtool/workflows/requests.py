@@ -368,6 +368,9 @@ class PruneRequest:
             raise UsageError("give either --scores or --heads, not both")
         if self.scores is not None or self.heads is not None:  # (it was ignored: the heads came from elsewhere)
             refuse_unused(given(self, ("method",)), "when prune scores the heads itself (no --scores or --heads)")
+        if self.heads is not None:  # (they were ignored: a listed layer lost its heads, protected or not)
+            refuse_unused(given(self, ("scope", "protect_layers", "normalize", "allocation_margin")),
+                          "when heads are chosen from scores (--heads lists them)")
         if self.heads is not None and self.choose_in_layer == "refit":  # (it removed other heads than listed)
             raise UsageError("--choose-in-layer refit picks which heads a layer loses; --heads lists them: "
                              "leave --choose-in-layer out (listed heads are removed as listed)")
