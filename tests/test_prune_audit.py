@@ -59,3 +59,17 @@ def test_options_of_a_choice_from_scores_are_refused_with_listed_heads(llama_src
                *(["--streaming"] if streaming else []))
     _one_line_exit_2(r, flag)
     assert "--heads lists them" in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_unit_group_with_listed_heads_takes_whole_groups_only(llama_src, tmp_path, streaming):
+    """--unit group --heads 1:0,2 (one head from each KV group of layer 1) was pruned as --unit query
+    would: the KV groups stayed. Whole groups pass; a split group is one line, exit 2, nothing written."""
+    mode = ["--streaming"] if streaming else []
+    r = _prune(llama_src, "--heads", "1:0,2", "--unit", "group", *mode, "-o", tmp_path / "n")
+    _one_line_exit_2(r, "--unit group removes whole KV groups: layer 1")
+    assert "0,1 | 2,3" in r.stderr and not (tmp_path / "n").exists()
+    r = _prune(llama_src, "--heads", "1:2,3", "--unit", "group", *mode, "-o", tmp_path / "y", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads((tmp_path / "y" / "headtool.json").read_text())
+    assert doc["kept_heads"][1] == [0, 1] and doc["num_kv_heads"] == [2, 1, 2]

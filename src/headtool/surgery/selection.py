@@ -382,8 +382,22 @@ def selection_from_removed(removed: dict[int, Sequence[int]], geometry: Sequence
         if len(k) < min_heads:
             raise UsageError(f"layer {i} would keep {len(k)} query heads, fewer than --min-heads-per-layer "
                              f"{min_heads}")
+        if unit == "group":
+            _check_whole_groups(i, g, gone)
         kept.append(k)
     return Selection.from_kept(geometry, kept, unit == "head")
+
+
+def _check_whole_groups(layer: int, geo: LayerHeads, gone: set[int]) -> None:
+    """--unit group removes whole KV groups: a listed set that splits a group is a UsageError naming the
+    layer's groups (it was accepted and pruned as --unit query would)."""
+    groups = [geo.query_heads_of(k) for k in range(geo.num_kv_heads)]
+    split = [grp for grp in groups if gone & set(grp) and not set(grp) <= gone]
+    if split:
+        shown = " | ".join(",".join(map(str, grp)) for grp in groups)
+        raise UsageError(f"--unit group removes whole KV groups: layer {layer} loses "
+                         f"{', '.join(map(str, sorted(gone)))}, which splits the group {','.join(map(str, split[0]))} "
+                         f"(its groups: {shown}); list whole groups, or use --unit query or head")
 
 
 # ----------------------------------------------------------------------------- inside one layer
