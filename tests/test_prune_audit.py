@@ -73,3 +73,41 @@ def test_unit_group_with_listed_heads_takes_whole_groups_only(llama_src, tmp_pat
     assert r.exit_code == 0, r.stderr
     doc = json.loads((tmp_path / "y" / "headtool.json").read_text())
     assert doc["kept_heads"][1] == [0, 1] and doc["num_kv_heads"] == [2, 1, 2]
+
+
+def test_a_chained_prune_records_its_heads_in_the_original_model(llama_src, tmp_path):
+    """`prune A -o B; prune B -o C`: C's kept_heads are positions in B (its input), as before; C also records
+    original_kept_heads, the same heads as indices of A (composed through B's headtool.json), with A's source.
+    Pruning A by them directly writes C's tensors (in memory and streamed); a third prune composes again, a
+    recipe on B does too, and a first prune (of a folder headtool did not write) records no lineage."""
+    from tiny_models import checkpoint_tensors
+    import torch
+
+    b, c, cs, d, direct = (tmp_path / n for n in ("b", "c", "cs", "d", "direct"))
+    r = _prune(llama_src, "--heads", "1:0;2:3", "--unit", "head", "-o", b, "--json")
+    assert r.exit_code == 0, r.stderr
+    first = json.loads((b / "headtool.json").read_text())
+    assert "original_kept_heads" not in first and "original_kept_heads" not in json.loads(r.stdout)
+    for out, mode in ((c, []), (cs, ["--streaming"])):
+        r = _prune(b, "--heads", "1:0;2:1", "--unit", "head", *mode, "-o", out)
+        assert r.exit_code == 0, r.stderr
+        doc = json.loads((out / "headtool.json").read_text())
+        assert doc["kept_heads"] == [[0, 1, 2, 3], [1, 2], [0, 2]]  # positions in b
+        assert doc["original_kept_heads"] == [[0, 1, 2, 3], [2, 3], [0, 2]]
+        assert doc["original_source"] == first["source"] and doc["source"]["path"] == str(b.resolve())
+        assert "original_kept_heads" in (out / "README.md").read_text()
+    r = _prune(llama_src, "--heads", "1:0,1;2:1,3", "--unit", "head", "-o", direct)
+    assert r.exit_code == 0, r.stderr
+    want = checkpoint_tensors(direct)
+    for out in (c, cs):
+        got = checkpoint_tensors(out)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    r = _prune(c, "--heads", "2:0", "--unit", "head", "--dry-run", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["original_kept_heads"] == [[0, 1, 2, 3], [2, 3], [2]]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {b}\nsteps:\n  - prune: {{heads: '1:0;2:1', unit: head}}\n")
+    r = runner.invoke(app, ["run", str(recipe), "-o", str(tmp_path / "rec")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "rec" / "headtool.json").read_text())
+    assert doc["original_kept_heads"] == [[0, 1, 2, 3], [2, 3], [0, 2]] and doc["original_source"] == first["source"]

@@ -25,7 +25,7 @@ from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
 from .files import converted_from, inside, open_up, probe_writable
-from .provenance import RECORD, card_lines
+from .provenance import ORIGINAL_KEPT, ORIGINAL_SOURCE, RECORD, card_lines
 from .sizes import parse_size
 
 FORMAT = "headtool.surgery/1"
@@ -176,6 +176,10 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
     # kept_heads only where the operation chose heads (prune, convert-gqa's order): not for heal or convert-mla
     kept = (", and the query heads kept in every layer (`kept_heads`: indices of the source model)"
             if meta.get("kept_heads") is not None else "")
+    if meta.get(ORIGINAL_KEPT) is not None:  # the source was itself pruned (or converted) by headtool
+        first = meta.get(ORIGINAL_SOURCE) or {}
+        kept += (f"; the source was itself cut from {first.get('ref') or first.get('path') or 'another model'}, "
+                 f"whose indices the same heads have under `{ORIGINAL_KEPT}`")
     lines += [f"`headtool.json` records the source fingerprint, the method and options{kept}.", ""]
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 RECORD = "data_read"
 #: The keys under which a Batches info (and a `data_read` entry) names a local file source: its resolved
@@ -163,3 +163,30 @@ IN_DOMAIN_NOTE = "in-domain: the model was fitted on this text's source, so the 
 def fitted_sources(record: list[dict]) -> list[str]:
     """The sources (as given: a mixture whole) a record's model was fitted on."""
     return sorted({e["source"] for e in record if e.get("role", FIT) == FIT and not e.get("part")})
+
+
+#: headtool.json keys of a model pruned from a headtool output: its kept query heads as indices of the model
+#: that chain started from (`kept_heads` names those of the input folder) and that model's source record
+ORIGINAL_KEPT, ORIGINAL_SOURCE = "original_kept_heads", "original_source"
+
+
+def original_heads(source_path: str | Path | None, kept: Sequence[Sequence[int]] | None,
+                   heads_before: Sequence[int]) -> dict:
+    """Where the input is itself a headtool output that chose heads (a prune, convert-gqa or recipe with
+    `kept_heads`): `kept` (positions in the input, whose layers hold `heads_before` query heads) as heads
+    of the model that output's chain started from, under ORIGINAL_KEPT, with that model's source record
+    under ORIGINAL_SOURCE. {} for any other input, or where the input's record does not fit its heads
+    (an edited file)."""
+    doc = folder_meta(source_path)
+    if doc is None or kept is None:
+        return {}
+    earlier = doc.get(ORIGINAL_KEPT) if ORIGINAL_KEPT in doc else doc.get("kept_heads")
+    source = doc.get(ORIGINAL_SOURCE) if ORIGINAL_KEPT in doc else doc.get("source")
+    fits = (isinstance(earlier, list) and len(earlier) == len(heads_before) == len(kept)
+            and all(isinstance(layer, list) and len(layer) == n and all(type(h) is int for h in layer)
+                    for layer, n in zip(earlier, heads_before))
+            and all(0 <= p < n for layer, n in zip(kept, heads_before) for p in layer))
+    if not fits:
+        return {}
+    return {ORIGINAL_KEPT: [[layer[p] for p in positions] for layer, positions in zip(earlier, kept)],
+            ORIGINAL_SOURCE: source if isinstance(source, dict) else None}

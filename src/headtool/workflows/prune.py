@@ -14,7 +14,7 @@ from ..data.selfgen import can_sample
 from ..data.sources import DataSpec, is_auto, reads_stdin, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, output_kind, write_output
-from ..io.provenance import RECORD, fitted_on, read_entries, written_record
+from ..io.provenance import RECORD, fitted_on, original_heads, read_entries, written_record
 from ..io.sizes import parse_size
 from ..measure.evaluation import evaluate, paired_difference, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -133,6 +133,7 @@ def prune_meta(req: PruneRequest, result: PruneResult, target: Target | None, sc
     return {"operation": "prune", "method": score_info.get("method", "explicit" if req.heads is not None else None),
             "streaming": streaming, "scores": score_info or None, "options": options,
             "kept_heads": [list(k) for k in result.selection.kept],
+            **original_heads(source_path, result.selection.kept, [g.num_heads for g in result.geometry_before]),
             "num_kv_heads": [g.num_kv_heads for g in result.geometry_after],
             "num_heads": [g.num_heads for g in result.geometry_after], "summary": result.summary(),
             RECORD: written_record(seen, source_path, read_entries([score_info["data"]]) if from_doc else [])}

@@ -21,7 +21,7 @@ from ..data.selfgen import can_sample
 from ..data.sources import AUTO_SOURCE, DataSpec, file_identity, is_auto, parse_sources, self_source
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, fitted_on, written_record
+from ..io.provenance import RECORD, fitted_on, original_heads, written_record
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..measure.scores_doc import build_document, write_document
 from ..measure.scoring import ScoreResult
@@ -417,6 +417,7 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
                 "source_fingerprint": source_fingerprint,
                 "num_heads": [g.num_heads for g in ctx.lm.geometry],
                 "num_kv_heads": [g.num_kv_heads for g in ctx.lm.geometry], **ctx.meta,
+                **original_heads(lm.path, ctx.meta.get("kept_heads"), ctx.num_heads_before),
                 RECORD: written_record(ctx.reads, lm.path)}
         card = "Recipe:\n\n```yaml\n" + yaml.safe_dump(resolved(recipe), sort_keys=False) + "```\n"
         result["output"] = write_output(out, model=ctx.lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
