@@ -111,3 +111,23 @@ def test_a_chained_prune_records_its_heads_in_the_original_model(llama_src, tmp_
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "rec" / "headtool.json").read_text())
     assert doc["original_kept_heads"] == [[0, 1, 2, 3], [2, 3], [0, 2]] and doc["original_source"] == first["source"]
+
+
+@pytest.mark.parametrize("how", [["--heads", "1:0,1"], ["--heads", "1:0,1", "--streaming"], ["--scores", "DOC", "--num-heads", "2"]])
+def test_data_options_that_nothing_reads_are_refused(llama_src, tmp_path, how):
+    """--data / --max-samples / --seq-len with listed heads or a score document and no refit, comparison or
+    evaluation were accepted and read by nothing (headtool.json's data_read named the score document's text,
+    not the one given). One line, exit 2, nothing written; with --eval-data they still apply."""
+    doc = runner.invoke(app, ["score", str(llama_src), "--method", "magnitude"])
+    (tmp_path / "doc.json").write_text(doc.stdout)
+    how = [str(tmp_path / "doc.json") if a == "DOC" else a for a in how]
+    r = _prune(llama_src, *how, "--data", "builtin:licenses", "--max-samples", "3", "-o", tmp_path / "n")
+    _one_line_exit_2(r, "--data, --max-samples: prune reads no text")
+    assert not (tmp_path / "n").exists()
+    r = _prune(llama_src, *how, "--seq-len", "64", "--dry-run")
+    _one_line_exit_2(r, "--seq-len: prune reads no text")
+    if "--streaming" not in how:
+        r = _prune(llama_src, *how, "--data", "builtin:licenses", "--max-samples", "2", "--seq-len", "16",
+                   "--eval-data", "builtin:licenses", "--eval-samples", "2", "--dry-run", "--json")
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(r.stdout)["eval_data"]["skip_samples"] == 2

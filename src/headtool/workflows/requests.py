@@ -339,6 +339,14 @@ class PruneRequest:
         return PRUNE_CALIBRATION_BLOCKS if self.compensate else CALIBRATION_BLOCKS
 
     @property
+    def reads_data(self) -> bool:
+        """Whether this prune reads --data: to refit (--compensate), to score now, to compare a --normalize
+        list, or where --eval-data is cut (held out from it, in its block length). Else (listed heads or a
+        score document, and none of those) the data options are read by nothing."""
+        return (self.compensate or (self.scores is None and self.heads is None) or "," in self.normalize
+                or self.eval_data is not None)
+
+    @property
     def refits(self) -> bool:
         """Whether --anchor leaves a refit to make: some candidate strength is finite (inf alone: none)."""
         anchors = parse_anchor(self.anchor)

@@ -5,13 +5,15 @@ import typer
 
 from ...data.sources import AUTO_SOURCE
 from ...workflows.requests import PruneRequest
-from ..options import JsonOpt, LoadOptions, command_options, data_options, model_options
+from ..options import (JsonOpt, LoadOptions, command_options, data_option_names, data_options, given_options,
+                       model_options)
 
 
 @model_options
 @data_options(default=AUTO_SOURCE)
 @command_options(PruneRequest)
-def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(), data_spec=None) -> None:
+def prune_cmd(ctx: typer.Context, json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOptions(),
+              data_spec=None) -> None:
     """Remove attention heads (chosen from scores or listed) and write a smaller checkpoint.
 
     Without --scores or --heads the heads are scored now on --data (default auto: builtin:pydoc
@@ -26,7 +28,13 @@ def prune_cmd(json_out: JsonOpt = False, fields=None, load: LoadOptions = LoadOp
     from ...console import err_console, info, print_json
     from ...workflows.prune import run_prune
 
+    from ...errors import UsageError
+
     req = PruneRequest(**fields, data=data_spec, load=load)
+    if not req.reads_data and (given := given_options(ctx, data_option_names())):
+        raise UsageError(f"{', '.join(given)}: prune reads no text with --heads or --scores unless it refits "
+                         "(--compensate), compares a --normalize list or evaluates (--eval-data): leave the data "
+                         "options out")
     run = run_prune(req)
     if run.streamed is not None:
         info(f"written to {run.streamed['path']} ({run.streamed['config_kind']}, streamed)")
