@@ -131,3 +131,16 @@ def test_data_options_that_nothing_reads_are_refused(llama_src, tmp_path, how):
                    "--eval-data", "builtin:licenses", "--eval-samples", "2", "--dry-run", "--json")
         assert r.exit_code == 0, r.stderr
         assert json.loads(r.stdout)["eval_data"]["skip_samples"] == 2
+
+
+def test_several_anchors_without_held_out_blocks_are_refused(llama_src, tmp_path):
+    """prune --compensate --anchor auto took no held-out blocks (its default) and chose each layer's
+    anchor on the calibration blocks the refit was fitted to, where the weakest anchor wins, unsaid
+    (convert-gqa/convert-mla refuse the same). With held-out blocks, or one anchor, it runs."""
+    base = [llama_src, "--fraction", "0.25", "--compensate", "--data", "builtin:pydoc", "--max-samples", "4",
+            "--seq-len", "16"]
+    for anchor in ("auto", "0.1,1"):
+        _one_line_exit_2(_prune(*base, "--anchor", anchor, "-o", tmp_path / "o"), "chosen on held-out blocks")
+    assert not (tmp_path / "o").exists()
+    assert _prune(*base, "--anchor", "auto", "--heldout-samples", "2", "-o", tmp_path / "a").exit_code == 0
+    assert _prune(*base, "--anchor", "0.5,inf", "-o", tmp_path / "b").exit_code == 0

@@ -150,9 +150,11 @@ def _check_anchor_choice(request) -> None:
     if request.heldout_samples == 0 and len(finite) > 1:  # (inf, no refit, is a candidate anyway)
         from ..errors import UsageError
 
-        raise UsageError(f"--anchor {request.anchor}: each layer's anchor is chosen on held-out blocks, and "
-                         "--heldout-samples 0 leaves none (on the calibration blocks the refit was fitted to, the "
-                         "weakest anchor would always win): give one anchor, or held-out blocks")
+        none = ("prune takes none unless --heldout-samples or --heldout-data asks" if isinstance(request, PruneRequest)
+                else "--heldout-samples 0 leaves none")
+        raise UsageError(f"--anchor {request.anchor}: each layer's anchor is chosen on held-out blocks, and {none} "
+                         "(on the calibration blocks the refit was fitted to, the weakest anchor would always win): "
+                         "give one anchor, or held-out blocks")
 
 
 def _check_streaming(request) -> None:
@@ -386,6 +388,8 @@ class PruneRequest:
             flags = self.refit_options_given()
             also = "; --heldout-data also to a --normalize list's comparison" if "--heldout-data" in flags else ""
             refuse_unused(flags, "to the refit, which needs --compensate" + also)
+        if self.compensate and self.heldout_data is None:
+            _check_anchor_choice(self)
         _check_eval_samples(self)
         _check_streaming(self)
         compares = "," in self.normalize or (self.normalize == "auto" and self.compensate and not self.auto_is_obs)
