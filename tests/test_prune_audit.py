@@ -144,3 +144,32 @@ def test_several_anchors_without_held_out_blocks_are_refused(llama_src, tmp_path
     assert not (tmp_path / "o").exists()
     assert _prune(*base, "--anchor", "auto", "--heldout-samples", "2", "-o", tmp_path / "a").exit_code == 0
     assert _prune(*base, "--anchor", "0.5,inf", "-o", tmp_path / "b").exit_code == 0
+
+
+def test_the_lineage_of_heads_goes_through_heal_and_the_conversions(llama_src, tmp_path):
+    """original_kept_heads was lost through a heal (prune -> heal -> prune named positions in the healed
+    folder only) and never written by convert-gqa/convert-mla of a pruned folder: heal and convert-mla keep
+    every head where it is and carry the lineage on; convert-gqa composes its order with it."""
+    b, h, c, g, m = (tmp_path / n for n in ("b", "h", "c", "g", "m"))
+    assert _prune(llama_src, "--heads", "1:0,2", "--unit", "query", "-o", b).exit_code == 0
+    first = json.loads((b / "headtool.json").read_text())
+    kept_b = first["kept_heads"]
+    r = runner.invoke(app, ["heal", str(b), "--teacher", str(llama_src), "--data", "builtin:pydoc", "--seq-len", "16",
+                            "--batch-size", "2", "--eval-samples", "2", "--max-steps", "1", "-o", str(h)])
+    assert r.exit_code == 0, r.output
+    healed = json.loads((h / "headtool.json").read_text())
+    assert healed["original_kept_heads"] == kept_b and healed["original_source"] == first["source"]
+    assert _prune(h, "--heads", "1:0", "--unit", "head", "-o", c).exit_code == 0
+    doc = json.loads((c / "headtool.json").read_text())
+    assert doc["original_kept_heads"] == [kept_b[0], [kept_b[1][1]], kept_b[2]]
+    assert doc["original_source"] == first["source"]
+    r = runner.invoke(app, ["convert-gqa", str(b), "--kv-heads", "1", "--merge", "mean", "-o", str(g)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((g / "headtool.json").read_text())
+    assert doc["original_kept_heads"] == [[kb[p] for p in order] for kb, order in zip(kept_b, doc["kept_heads"])]
+    r = runner.invoke(app, ["convert-mla", str(b), "--kv-cache", "0.5", "--no-refit", "-o", str(m)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((m / "headtool.json").read_text())["original_kept_heads"] == kept_b
+    # a first operation on a folder headtool did not cut records none
+    r = runner.invoke(app, ["convert-mla", str(llama_src), "--kv-cache", "0.5", "--no-refit", "-o", str(tmp_path / "m0")])
+    assert r.exit_code == 0 and "original_kept_heads" not in json.loads((tmp_path / "m0" / "headtool.json").read_text())

@@ -190,3 +190,9 @@ def original_heads(source_path: str | Path | None, kept: Sequence[Sequence[int]]
         return {}
     return {ORIGINAL_KEPT: [[layer[p] for p in positions] for layer, positions in zip(earlier, kept)],
             ORIGINAL_SOURCE: source if isinstance(source, dict) else None}
+
+
+def original_heads_kept_as_is(source_path: str | Path | None, heads: Sequence[int]) -> dict:
+    """original_heads of an operation that keeps every query head where it is (heal, convert-mla): the
+    input's own lineage carried on, so that a prune after it still names the first model's heads."""
+    return original_heads(source_path, [list(range(n)) for n in heads], heads)

@@ -12,7 +12,7 @@ from ..data.batches import blocks_read, read_to_fit, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, fitted_on, written_record
+from ..io.provenance import RECORD, fitted_on, original_heads, written_record
 from ..measure.calibration import attention_input_grams
 from ..measure.evaluation import against_text, evaluate, record_gaps
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -162,6 +162,7 @@ def convert_meta(req: ConvertRequest, summary: dict[str, Any], plans: Sequence[L
         "summary": {k: summary[k] for k in ("before", "after", "kv_cache_reduction", "eval_before", "results",
                                              "chosen_on", "calibration_data", "heldout_data", "eval_data")},
         RECORD: written_record(seen, source_path),
+        **original_heads(source_path, [p.order for p in plans], [len(p.order) for p in plans]),
     }
 
 

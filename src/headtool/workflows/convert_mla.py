@@ -13,7 +13,7 @@ from ..data.batches import blocks_read, resolve_auto
 from ..data.sources import DataSpec
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, fitted_on, written_record
+from ..io.provenance import RECORD, fitted_on, original_heads_kept_as_is, written_record
 from ..measure.evaluation import evaluate
 from ..measure.objectives import DATA_TASK, resolve_objective
 from ..model.info import conversion_kv_label
@@ -180,7 +180,8 @@ def run_convert_mla(req: LatentRequest) -> dict[str, Any]:
     with blocks_read() as seen:
         done = convert_mla_loaded(lm, req)
     summary = done.summary
-    meta = {**done.meta, RECORD: written_record(seen, lm.path)}
+    meta = {**done.meta, RECORD: written_record(seen, lm.path),
+            **original_heads_kept_as_is(lm.path, [g.num_heads for g in lm.geometry])}
     if summary.get("eval_data"):
         summary["eval_data"] = {**summary["eval_data"], "in_domain": fitted_on(meta[RECORD], summary["eval_data"])}
     written = write_output(req.output, model=done.conv.model, tokenizer=lm.tokenizer, source=lm, meta=meta,

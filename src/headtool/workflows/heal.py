@@ -17,7 +17,7 @@ from ..data.batches import blocks_read, evaluation_reads, make_batches, resolve_
 from ..distributed import World, barrier, world_from_env
 from ..errors import UsageError
 from ..io.output import check_output_target, write_output
-from ..io.provenance import RECORD, folder_meta, written_record
+from ..io.provenance import RECORD, folder_meta, original_heads_kept_as_is, written_record
 from ..measure.evaluation import tokenizers_agree
 from ..model.loading import LoadedModel, load_model
 from ..model.placement import require_resident_weights
@@ -286,6 +286,7 @@ def run_heal(req: HealRequest, *, callback: Callable[[int, dict[str, Any]], None
         meta["operation"] = "heal"
         meta["heal_format"] = doc["format"]
         meta[RECORD] = written_record(seen, student.path)
+        meta.update(original_heads_kept_as_is(student.path, [g.num_heads for g in student.geometry]))
         prior = Path(student.path) / "headtool.json"
         if prior.is_file():
             try:
