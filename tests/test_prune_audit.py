@@ -173,3 +173,12 @@ def test_the_lineage_of_heads_goes_through_heal_and_the_conversions(llama_src, t
     # a first operation on a folder headtool did not cut records none
     r = runner.invoke(app, ["convert-mla", str(llama_src), "--kv-cache", "0.5", "--no-refit", "-o", str(tmp_path / "m0")])
     assert r.exit_code == 0 and "original_kept_heads" not in json.loads((tmp_path / "m0" / "headtool.json").read_text())
+
+
+def test_a_streamed_sharded_index_says_what_an_in_memory_one_says(llama_src, tmp_path):
+    """A sharded --streaming output's model.safetensors.index.json lacked the total_parameters that
+    transformers writes in memory: the same index now, weight map and metadata."""
+    for out, mode in ((tmp_path / "mem", []), (tmp_path / "str", ["--streaming"])):
+        assert _prune(llama_src, "--heads", "1:0,1", "--shard-size", "20KB", *mode, "-o", out).exit_code == 0
+    mem, streamed = (json.loads((tmp_path / n / "model.safetensors.index.json").read_text()) for n in ("mem", "str"))
+    assert streamed == mem and mem["metadata"]["total_parameters"] > 0

@@ -8,6 +8,7 @@ one, so peak memory stays near the largest single tensor whatever the shard size
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -322,7 +323,7 @@ def write_checkpoint_streaming(folder: str | os.PathLike, entries: list[tuple[st
     folder = Path(folder)
     shards = plan_shards(entries, shard_bytes)
     names = shard_names(len(shards))
-    total = 0
+    total = params = 0
     weight_map = {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="headtool-fsync") as pool:
         flushes = []
@@ -333,10 +334,11 @@ def write_checkpoint_streaming(folder: str | os.PathLike, entries: list[tuple[st
             for name, dtype, shape in shard:
                 weight_map[name] = fname
                 total += TensorEntry(name, fname, dtype, shape).nbytes
+                params += math.prod(shape)
         for done in flushes:
             done.result()
     if len(names) > 1:
         (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": weight_map}, indent=2))
         names.append("model.safetensors.index.json")
     return names
