@@ -59,7 +59,7 @@ def test_every_step_order_a_run_refuses_is_found_by_check_and_before_the_model_l
     path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nsteps:\n"
                             "  - convert_mla: {kv_cache: 0.5}\n  - prune: {fraction: 0.3}\n"
                             "  - convert_gqa: {kv_heads: 1}\n  - convert_mla: {kv_cache: 0.5}\n"
-                            "  - score: {method: magnitude}\n  - score: {method: gradient}\n"
+                            "  - score: {method: magnitude, output: s.json}\n  - score: {method: gradient}\n"
                             "  - heal: {max_steps: 1}\n  - eval: {}\n")
     for extra in (["--check"], []):
         res = runner.invoke(app, ["run", str(path), *extra])
@@ -188,3 +188,39 @@ def test_a_bad_shard_size_is_refused_before_any_step_runs(tmp_path):
     for good in ("500MB", "1000000"):
         res = runner.invoke(app, ["run", str(path), "--check", "--set", f"shard_size={good}"])
         assert res.exit_code == 0, res.output
+
+
+# --------------------------------------------------------------------------- 6. results nothing reads
+def test_a_score_step_whose_scores_nothing_reads_is_a_located_problem(tmp_path):
+    """A prune with heads: (or scores:, or its own method:) right after a score step chose its heads
+    without the scores, which were dropped silently after minutes of scoring; so were the scores of a
+    score step replaced by another, rebuilt away by a conversion or left at the end, with no document."""
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nsteps:\n"
+                            "  - score: {method: gradient}\n  - prune: {heads: '1:0'}\n"          # 4, 5
+                            "  - score: {method: magnitude}\n  - score: {method: gradient}\n"      # 6, 7
+                            "  - prune: {fraction: 0.2, method: magnitude}\n"                      # 8
+                            "  - score: {method: magnitude}\n  - convert_gqa: {kv_heads: 1}\n"     # 9, 10
+                            "  - score: {method: magnitude}\n  - eval: {}\n")                      # 11, 12
+    for extra in (["--check"], []):
+        _refused(runner.invoke(app, ["run", str(path), *extra]), "4 problem(s)",
+                 f"{path}:4:12: steps.0: the score step's scores are read by nothing: steps.1 (prune) removes the "
+                 "heads its heads: lists;",
+                 f"{path}:6:12: steps.2: the score step's scores are read by nothing: steps.3 (score) replaces them",
+                 f"{path}:7:12: steps.3: the score step's scores are read by nothing: steps.4 (prune) scores the "
+                 "heads itself (its method:)",
+                 f"{path}:9:12: steps.5: the score step's scores are read by nothing: steps.6 (convert_gqa) rebuilds")
+    assert not (tmp_path / "out").exists()
+    # one left unread at the end still gives its objective and baseline loss in the summary: a warning
+    ended = _write(tmp_path, f"model: {MODEL}\nsteps:\n  - score: {{method: magnitude}}\n  - eval: {{}}\n")
+    res = runner.invoke(app, ["run", str(ended), "--check"])
+    assert res.exit_code == 0, res.output
+    assert (f"warning: {ended}:3:12: steps.0: the score step's scores are read by nothing: no prune after it "
+            "takes them; give it output: FILE to keep its document, or leave the step out") in " ".join(res.stderr.split())
+    ok = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nsteps:\n"
+                          "  - score: {method: gradient}\n  - eval: {}\n  - prune: {fraction: 0.2}\n"
+                          f"  - score: {{method: magnitude, output: {tmp_path / 's.json'}}}\n"
+                          "  - prune: {heads: '1:0'}\n"
+                          f"  - score: {{method: magnitude, output: {tmp_path / 't.json'}}}\n")
+    res = runner.invoke(app, ["run", str(ok), "--check"])
+    assert res.exit_code == 0, res.output
+

@@ -52,6 +52,7 @@ from .recipe_schema import (
     rewriting_steps,
     step_data,
     step_options,
+    unused_score_problems,
     validate,
 )
 from .requests import reads_no_data
@@ -317,6 +318,8 @@ def validate_whole(recipe: Recipe, *, output: str | None = None, dry_run: bool =
     validate(recipe, more=nowhere)
     documents = [] if dry_run else document_problems(recipe) + (stdout_problems(recipe) if json_stdout else [])
     raise_problems(recipe, request_problems(recipe) + nowhere + documents)
+    for line in unused_score_problems(recipe, at_end=True):
+        warn(line)
 
 
 def stdout_problems(recipe: Recipe) -> list[str]:

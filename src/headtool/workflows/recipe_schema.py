@@ -390,7 +390,7 @@ def validate(recipe: Recipe, *, geometry_check: Callable[[Recipe, list[str]], No
         for key, opt in step_options(name).items():
             if opt.required and key not in step:
                 problems.append(f"{recipe.where(where)}: {where}.{key}: required")
-    problems += order_problems(recipe) + (more or [])
+    problems += order_problems(recipe) + unused_score_problems(recipe) + (more or [])
     if geometry_check is not None and not problems:
         geometry_check(recipe, problems)
     raise_problems(recipe, problems)
@@ -420,6 +420,46 @@ def order_problems(recipe: Recipe) -> list[str]:
                             "convert_mla step distils the recipe's model into itself (its teacher), a loss of 0 "
                             "with nothing to heal: put it after the step that changes the model, or give lm_weight")
         earlier.add(name)
+    return problems
+
+
+#: how a prune step that does not take an earlier score step's scores chooses its heads instead
+_OWN_HEADS = (("heads", "removes the heads its heads: lists"), ("scores", "reads its scores: document"),
+              ("method", "scores the heads itself (its method:)"))
+
+
+def unused_score_problems(recipe: Recipe, *, at_end: bool = False) -> list[str]:
+    """A score step whose scores nothing reads: no document (its output:) and no prune that takes them
+    (one with a target and no heads, scores or method: the runner passes them only there) before another
+    score step replaces them or a conversion rebuilds the heads they name. It ran for minutes and its
+    result was dropped without a word. `at_end`: instead, the one left unread when the recipe ends (a
+    warning: its summary row still gives the objective and baseline loss, which a recipe may run it for)."""
+    problems: list[str] = []
+    live: int | None = None  # the score step whose scores are in memory and not yet read, without a document
+
+    def unused(why: str) -> None:
+        problems.append(f"{recipe.where(f'steps.{live}')}: steps.{live}: the score step's scores are read by "
+                        f"nothing: {why}; give it output: FILE to keep its document, or leave the step out")
+
+    for i, step in _known_steps(recipe):
+        name = step["step"]
+        if name == "score":
+            if live is not None:
+                unused(f"steps.{i} (score) replaces them before any step reads them")
+            live = None if step.get("output") else i
+        elif name == "prune":
+            own = next((what for key, what in _OWN_HEADS if step.get(key) is not None), None)
+            if live is not None and own:
+                unused(f"steps.{i} (prune) {own}; a prune with fraction, num_heads or threshold and none of "
+                       "heads, scores, method takes them")
+            live = None
+        elif name in ("convert_gqa", "convert_mla") and live is not None:
+            unused(f"steps.{i} ({name}) rebuilds the heads they name before any prune reads them")
+            live = None
+    if at_end:
+        problems = []
+        if live is not None:
+            unused("no prune after it takes them")
     return problems
 
 
