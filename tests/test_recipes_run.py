@@ -303,3 +303,29 @@ def test_a_score_document_on_stdout_beside_run_json_is_refused(tmp_path):
     res = runner.invoke(app, ["run", str(recipe)])  # alone on stdout, the document is one JSON document
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["scores"]
+
+
+def test_a_prune_after_a_conversion_scores_the_converted_heads_itself(tmp_path, monkeypatch):
+    """An earlier score step's scores were handed to a prune after convert_gqa, which reorders the query
+    heads into their groups (grouping: similarity): the prune removed heads by other heads' scores."""
+    from headtool.workflows import recipe_runner
+
+    given = []
+    real = recipe_runner.prune_loaded
+
+    def spy(lm, req, **kw):
+        given.append(kw.get("scores"))
+        return real(lm, req, **kw)
+
+    monkeypatch.setattr(recipe_runner, "prune_loaded", spy)
+    src = save_tiny("llama", tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\ndtype: float32\n"
+                      "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 2}\nsteps:\n"
+                      f"  - score: {{method: magnitude, output: {tmp_path / 's.json'}}}\n"
+                      "  - convert_gqa: {kv_heads: 1, merge: mean, grouping: similarity}\n"
+                      "  - prune: {num_heads: 2}\n"
+                      "  - score: {method: magnitude}\n  - prune: {num_heads: 2}\n")
+    res = runner.invoke(app, ["run", str(recipe), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert given[0] is None and given[1] is not None

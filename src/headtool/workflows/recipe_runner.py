@@ -188,6 +188,7 @@ def step_convert(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     done = convert_loaded(ctx.lm, req, calib_device=ctx.calib_device, text_model=ctx.text_model)
     ctx.lm.model = done.best.model
+    ctx.scores = None  # scores name the heads before the merge (reordered when grouped by similarity)
     ctx.meta["kv_groups"] = [[ctx.recipe_heads(i, g) for g in p.groups] for i, p in enumerate(done.best.plans)]
     ctx.keep([p.order for p in done.best.plans])
     out: dict[str, Any] = {"merge": done.best.method,
@@ -210,6 +211,7 @@ def step_convert_mla(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     done = convert_mla_loaded(ctx.lm, req, text_model=ctx.text_model, calib_device=ctx.calib_device)
     ctx.lm.model = done.conv.model
+    ctx.scores = None  # scores name the heads of the attention latent attention replaced
     s = done.summary
     ctx.meta.update({k: done.meta[k] for k in ("kv_rank", "rope_dim", "rope_slots")})
     # kv_rank and rope_dim come with every row from the model as it stands (summary_row), in one form
