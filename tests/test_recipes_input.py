@@ -224,3 +224,31 @@ def test_a_score_step_whose_scores_nothing_reads_is_a_located_problem(tmp_path):
     res = runner.invoke(app, ["run", str(ok), "--check"])
     assert res.exit_code == 0, res.output
 
+
+def test_a_steps_own_data_block_that_nothing_reads_is_a_located_problem(tmp_path):
+    """As the commands refuse data options nothing reads: a prune that removes listed heads without a refit
+    and a score step with method magnitude (random: all but seed) took their own data block and ignored
+    it. The recipe's top-level data block, shared by the steps, stays accepted."""
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\n"
+                            "data: {source: builtin:pydoc, max_samples: 4}\nsteps:\n"
+                            "  - prune: {heads: '1:0', data: {max_samples: 8}}\n"                         # 5
+                            f"  - score: {{method: magnitude, output: {tmp_path / 'a.json'}, data: {{seq_len: 8}}, "
+                            "objective: kl}\n"                                                            # 6
+                            f"  - score: {{method: random, output: {tmp_path / 'b.json'}, "
+                            "data: {seed: 3, max_samples: 2}}\n")                                       # 7
+    for extra in (["--check"], []):
+        res = runner.invoke(app, ["run", str(path), *extra])
+        _refused(res, "4 problem(s)",
+                 f"{path}:5:33: steps.0.data: a prune that removes the heads its heads: lists reads no data "
+                 "without compensate",
+                 "steps.1.data: seq_len: method magnitude reads no data",
+                 "steps.1.objective: method magnitude has no objective",
+                 "steps.2.data: max_samples: method random reads only seed")
+    ok = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\n"
+                          "data: {source: builtin:pydoc, max_samples: 4}\nsteps:\n"
+                          "  - prune: {heads: '1:0'}\n"
+                          "  - prune: {heads: '1:0', compensate: true, data: {max_samples: 8}}\n"
+                          f"  - score: {{method: random, output: {tmp_path / 'b.json'}, data: {{seed: 3}}}}\n"
+                          f"  - score: {{method: magnitude, output: {tmp_path / 'c.json'}}}\n")
+    res = runner.invoke(app, ["run", str(ok), "--check"])
+    assert res.exit_code == 0, res.output

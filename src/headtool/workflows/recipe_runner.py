@@ -375,7 +375,30 @@ def request_problems(recipe: Recipe) -> list[str]:
             # as `headtool convert-gqa` refuses its data options here (the recipe's own data block is shared)
             why = reads_no_data(recipe=True, remedy="leave the step's data block out")
             problems.append(f"{recipe.where(f'steps.{i}.data')}: steps.{i}.data: {why}")
+        problems += _unread_keys(recipe, i, step)
     return problems
+
+
+def _unread_keys(recipe: Recipe, i: int, step: dict[str, Any]) -> list[str]:
+    """A step's own data block (or key) that nothing in the step reads, at its location: a prune that
+    removes listed heads without a refit, a score step with method magnitude (or random, which reads only
+    seed). The recipe's top-level data block, which other steps share, is not the step's own."""
+    where = f"{recipe.where(f'steps.{i}.data')}: steps.{i}.data"
+    if step["step"] == "prune" and step.get("heads") is not None and not step.get("compensate") \
+            and "data" in step and step.get("eval_data") is None:
+        return [f"{where}: a prune that removes the heads its heads: lists reads no data without compensate "
+                "(add compensate: true to refit on it, or leave the step's data block out)"]
+    if step["step"] == "score" and step.get("method") in ("magnitude", "random"):
+        reads = {"seed"} if step["method"] == "random" else set()
+        keys = [k for k in (step.get("data") or {}) if k not in reads] if isinstance(step.get("data"), dict) else []
+        what = "no data" if step["method"] == "magnitude" else "only seed"
+        out = [f"{where}: {', '.join(keys)}: method {step['method']} reads {what} (leave "
+               f"{'them' if len(keys) > 1 else 'it'} out, or use a data-driven method)"] if keys else []
+        if "objective" in step:
+            out.append(f"{recipe.where(f'steps.{i}.objective')}: steps.{i}.objective: method {step['method']} "
+                       "has no objective (it reads no loss): leave it out")
+        return out
+    return []
 
 
 def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | None = None,
