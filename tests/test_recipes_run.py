@@ -329,3 +329,23 @@ def test_a_prune_after_a_conversion_scores_the_converted_heads_itself(tmp_path, 
     res = runner.invoke(app, ["run", str(recipe), "--dry-run"])
     assert res.exit_code == 0, res.output
     assert given[0] is None and given[1] is not None
+
+
+def test_the_recorded_recipe_names_the_output_it_was_written_to(tmp_path):
+    """With -o the model was written there, but headtool.json's recipe, the model card's and `run --json`'s
+    named the recipe file's output: (another folder): the recipe as run was not the one recorded."""
+    src = save_tiny("llama", tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\noutput: {tmp_path / 'elsewhere'}\nsteps:\n  - prune: {{heads: '1:0', unit: head}}\n")
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(recipe), "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["recipe"]["output"] == str(out)
+    assert json.loads((out / "headtool.json").read_text())["recipe"]["output"] == str(out)
+    assert f"output: {out}\n" in (out / "README.md").read_text() and "elsewhere" not in (out / "README.md").read_text()
+    assert not (tmp_path / "elsewhere").exists()
+    res = runner.invoke(app, ["run", str(recipe), "-o", str(out), "--overwrite", "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["output"] == str(out) and json.loads(res.stdout)["overwrite"] is True
+    res = runner.invoke(app, ["run", str(recipe), "--check", "--json"])
+    assert json.loads(res.stdout)["output"] == str(tmp_path / "elsewhere") and "overwrite" not in json.loads(res.stdout)

@@ -439,15 +439,16 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         rows.append(row)
         if on_step:
             on_step(i, row)
-    result: dict[str, Any] = {"recipe": resolved(recipe), "steps": rows, "output": None, "dry_run": dry_run}
+    as_run = resolved(recipe, output, overwrite)
+    result: dict[str, Any] = {"recipe": as_run, "steps": rows, "output": None, "dry_run": dry_run}
     if out:
-        meta = {"operation": "recipe", "recipe": resolved(recipe), "steps": rows,
+        meta = {"operation": "recipe", "recipe": as_run, "steps": rows,
                 "source_fingerprint": source_fingerprint,
                 "num_heads": [g.num_heads for g in ctx.lm.geometry],
                 "num_kv_heads": [g.num_kv_heads for g in ctx.lm.geometry], **ctx.meta,
                 **original_heads(lm.path, ctx.meta.get("kept_heads"), ctx.num_heads_before),
                 RECORD: written_record(ctx.reads, lm.path)}
-        card = "Recipe:\n\n```yaml\n" + yaml.safe_dump(resolved(recipe), sort_keys=False) + "```\n"
+        card = "Recipe:\n\n```yaml\n" + yaml.safe_dump(as_run, sort_keys=False) + "```\n"
         result["output"] = write_output(out, model=ctx.lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                                         card_table=card, overwrite=ow, shard_size=v.get("shard_size", "5GB"))
     return result

@@ -517,9 +517,14 @@ def _check_placement(recipe: Recipe, problems: list[str]) -> None:
                 problems.append(f"{recipe.where('max_memory')}: max_memory: {str(e).removeprefix('--max-memory: ')}")
 
 
-def resolved(recipe: Recipe) -> dict[str, Any]:
-    """The recipe as it will run (after overrides), for the output folder and model card."""
-    return copy.deepcopy(recipe.values)
+def resolved(recipe: Recipe, output: str | None = None, overwrite: bool | None = None) -> dict[str, Any]:
+    """The recipe as it will run (after overrides, with the command line's -o and --overwrite over its own
+    output and overwrite), for the output folder, the model card and `run --json`."""
+    values = copy.deepcopy(recipe.values)
+    for key, value in (("output", output), ("overwrite", overwrite)):
+        if value is not None:
+            values[key] = value
+    return values
 
 
 def step_data(recipe: Recipe, step: dict[str, Any], key: str = "data") -> dict[str, Any] | None:

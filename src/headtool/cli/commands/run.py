@@ -78,7 +78,7 @@ def run_cmd(
         validate_whole(r, output=output, dry_run=dry_run, json_stdout=json_out)
         info(f"{recipe}: valid ({len(r.steps)} step{'' if len(r.steps) == 1 else 's'})")
         if json_out:
-            print_json(resolved(r))
+            print_json(resolved(r, output, overwrite or None))
         return
     result = run_recipe(r, output=output, overwrite=overwrite or None, dry_run=dry_run, json_stdout=json_out,
                         on_step=lambda i, row: info(f"step {i + 1}/{len(r.steps)} {row['step']}: done in "
