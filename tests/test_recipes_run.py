@@ -188,7 +188,7 @@ def test_offloaded_recipe_scores_and_evaluates_but_refuses_rewrites(tiny_folders
     assert res.exit_code == 0, res.output
     assert offloaded["loss"] == pytest.approx(json.loads(res.stdout)["steps"][-1]["loss"], rel=1e-5)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(head + "steps:\n  - prune: {heads: '0:1'}\n")
+    bad.write_text(head + "steps:\n  - prune: {heads: '0:1', unit: head}\n")
     res = runner.invoke(app, ["run", str(bad), "-o", str(tmp_path / "o")])
     assert res.exit_code == 2
     assert "use sequential: true" in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -349,3 +349,26 @@ def test_the_recorded_recipe_names_the_output_it_was_written_to(tmp_path):
     assert json.loads(res.stdout)["output"] == str(out) and json.loads(res.stdout)["overwrite"] is True
     res = runner.invoke(app, ["run", str(recipe), "--check", "--json"])
     assert json.loads(res.stdout)["output"] == str(tmp_path / "elsewhere") and "overwrite" not in json.loads(res.stdout)
+
+
+def test_a_step_refused_while_running_is_named_and_listed_heads_are_checked_before_any_step(tmp_path):
+    """A prune step's heads: that leave KV groups unequal were refused only when the run reached the step
+    (after every step before it), as 'error: layer 1: kept query heads ...', naming no step of a recipe
+    that may prune twice; any step refused while running named none either."""
+    src = save_tiny("llama", tmp_path / "src")  # 3 layers of 4 query heads over 2 KV heads
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\noutput: {tmp_path / 'out'}\n"
+                      "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 2}\nsteps:\n"
+                      "  - eval: {}\n  - prune: {heads: '0:0,1', unit: query}\n  - prune: {heads: '1:0', unit: query}\n")
+    res = runner.invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 2, res.output
+    assert f"{recipe}:7:12: steps.2: layer 1: kept query heads" in res.stderr, res.stderr
+    assert "step 1/" not in res.stderr and not (tmp_path / "out").exists()  # before the eval step ran
+    (tmp_path / "short.txt").write_text("a few words only")
+    recipe.write_text(f"model: {src}\noutput: {tmp_path / 'out'}\nsteps:\n  - prune: {{heads: '1:0,1'}}\n"
+                      f"  - eval: {{data: {{source: {tmp_path / 'short.txt'}, seq_len: 64}}}}\n")
+    res = runner.invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 2, res.output
+    line = " ".join(res.stderr.split("error: ", 1)[1].split())
+    assert line.startswith(f"{recipe}:5:11: steps.1 (eval): "), res.stderr
+    assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ from ..console import info, warn
 from ..data.batches import blocks_read, evaluation_reads, resolve_auto
 from ..data.selfgen import can_sample
 from ..data.sources import AUTO_SOURCE, DataSpec, file_identity, is_auto, parse_sources, self_source
-from ..errors import UsageError
+from ..errors import HeadtoolError, UsageError
 from ..io.output import check_output_target, write_output
 from ..io.provenance import RECORD, fitted_on, original_heads, written_record
 from ..measure.objectives import DATA_TASK, resolve_objective
@@ -36,7 +36,7 @@ from ..model.placement import (
 from ..optionspec import options_of
 from ..surgery.merging import check_target as check_kv
 from ..surgery.merging import merged_geometry
-from ..surgery.selection import check_target
+from ..surgery.selection import check_target, parse_heads, resolve_unit, selection_from_removed
 from .convert_gqa import convert_loaded
 from .convert_mla import convert_mla_loaded, latent_target
 from .data_plan import evaluation_cut
@@ -137,6 +137,7 @@ def check_geometry(ctx: Context) -> None:
     step orders a run refuses are the validator's: recipe_schema.REFUSED_ORDERS)."""
     problems: list[str] = []
     geometry = ctx.lm.geometry
+    known = True  # the geometry is the model's as the step finds it (not after a prune that chooses by scores)
     for i, step in enumerate(ctx.recipe.steps):
         where = f"{ctx.recipe.where(f'steps.{i}')}: steps.{i}"
         try:
@@ -144,6 +145,13 @@ def check_geometry(ctx: Context) -> None:
                 latent_target(ctx.lm, build_request(ctx.recipe, step), geometry)
             if step["step"] == "prune" and step.get("heads") is None:
                 check_target(prune_target(build_request(ctx.recipe, step), geometry), geometry)
+                known = False
+            elif step["step"] == "prune" and known:  # the listed heads, as the step will check them
+                req = build_request(ctx.recipe, step)
+                unit = resolve_unit(req.unit, geometry, req.compensate, req.scope)
+                chosen = selection_from_removed(parse_heads(req.heads, geometry), geometry, req.min_heads_per_layer,
+                                                unit)
+                geometry = chosen.geometry(geometry)
             if step["step"] == "convert_gqa":
                 check_kv(ctx.lm.adapter, geometry, int(step["kv_heads"]))
                 geometry = merged_geometry(geometry, int(step["kv_heads"]))
@@ -432,8 +440,13 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
     rows = [summary_row("load", {}, model_info(lm.model, lm.adapter), 0.0)]
     for i, step in enumerate(recipe.steps):
         t0 = time.perf_counter()
-        with blocks_read() as seen, (evaluation_reads() if step["step"] == "eval" else nullcontext()):
-            figures = STEPS[step["step"]](ctx, step)
+        try:
+            with blocks_read() as seen, (evaluation_reads() if step["step"] == "eval" else nullcontext()):
+                figures = STEPS[step["step"]](ctx, step)
+        except HeadtoolError as e:  # which step of the recipe refused, where it is (a recipe may prune twice)
+            if type(e) not in (UsageError, HeadtoolError):
+                raise
+            raise type(e)(f"{recipe.where(f'steps.{i}')}: steps.{i} ({step['step']}): {e}") from e
         ctx.reads += seen
         row = summary_row(step["step"], figures, model_info(ctx.lm.model, ctx.lm.adapter), time.perf_counter() - t0)
         rows.append(row)
