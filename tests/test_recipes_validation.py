@@ -247,3 +247,18 @@ def test_an_inclusive_upper_bound_is_checked_with_the_option():
     check(DataSpec(self_top_p=1.0))
     with pytest.raises(UsageError, match=r"--self-top-p must be a number in \(0, 1\], got 1.5"):
         check(DataSpec(self_top_p=1.5))
+
+
+def test_an_override_of_a_whole_block_is_where_its_problems_are_and_fills_an_empty_key(tmp_path):
+    """`--set 'data={..., seq_len: 1}'` was reported at the file's line of the seq_len it replaced (16 there,
+    valid); `--set data.seq_len=16` over an empty `data:` was refused as 'data is not a mapping or list'."""
+    p = tmp_path / "r.yaml"
+    p.write_text("model: smollm2-135m\ndata: {source: builtin:pydoc, seq_len: 16}\nsteps:\n  - prune: {fraction: 0.3}\n")
+    msg, _ = _problems(tmp_path, p.read_text(), ["data={source: builtin:pydoc, seq_len: 1}"])
+    assert "--set data: data.seq_len: must be an integer >= 2, got 1" in msg and f"{p}:2:" not in msg, msg
+    p.write_text("model: smollm2-135m\ndata:\nsteps:\n  - prune: {fraction: 0.3}\n")
+    r = load_recipe(p)
+    apply_overrides(r, ["data.seq_len=16", " data.batch_size = 2"])
+    validate(r)
+    assert r.values["data"] == {"seq_len": 16, "batch_size": 2}
+    assert r.where("data.batch_size") == "--set data.batch_size"

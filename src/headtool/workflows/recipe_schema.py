@@ -294,11 +294,16 @@ def apply_overrides(recipe: Recipe, assignments: list[str]) -> None:
                 if last:
                     cur[part] = _parse_scalar(raw)
                 else:
-                    cur = cur.setdefault(part, {})
+                    if cur.get(part) is None:  # a key left empty in the file (`data:`) is filled in
+                        cur[part] = {}
+                    cur = cur[part]
             else:
                 raise UsageError(f"--set {key}: {'.'.join(parts[:j])} is not a mapping or list")
-        _remember_written(recipe, ".".join(parts), raw)
-        recipe.marks[key] = f"--set {key}"
+        dotted = ".".join(parts)
+        _remember_written(recipe, dotted, raw)
+        for old in [k for k in recipe.marks if k.startswith(dotted + ".")]:
+            del recipe.marks[old]  # what the file had under it is gone: its problems are the override's
+        recipe.marks[dotted] = f"--set {dotted}"
     _strings_as_written(recipe)
 
 
