@@ -252,3 +252,25 @@ def test_a_steps_own_data_block_that_nothing_reads_is_a_located_problem(tmp_path
                           f"  - score: {{method: magnitude, output: {tmp_path / 'c.json'}}}\n")
     res = runner.invoke(app, ["run", str(ok), "--check"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_score_document_inside_the_runs_output_folder_is_refused_up_front(tmp_path):
+    """A score step writing into the output folder (its document beside the model) ran every step, then had
+    the run refused ('this non-empty folder holds no model'), the document left there; with --overwrite of a
+    model folder the final model's folder replaced it: the document was deleted without a word."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {out}\noverwrite: true\nsteps:\n"
+                            f"  - score: {{method: magnitude, output: {out / 's.json'}}}\n  - prune: {{fraction: 0.3}}\n")
+    for extra in (["--check"], []):
+        _refused(runner.invoke(app, ["run", str(path), *extra]), "1 problem(s)",
+                 f"{path}:5:40: steps.0.output: {out / 's.json'}: lies inside the recipe's output folder {out}, "
+                 "which the final model replaces; write the document elsewhere")
+    other = tmp_path / "other"
+    other.mkdir()
+    path = _write(tmp_path, f"model: {MODEL}\nsteps:\n  - score: {{method: magnitude, output: {other / 's.json'}}}\n"
+                            "  - prune: {fraction: 0.3}\n")
+    _refused(runner.invoke(app, ["run", str(path), "--check", "-o", str(other)]), "lies inside the recipe's output")
+    assert runner.invoke(app, ["run", str(path), "--check", "-o", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["run", str(path), "--check", "--dry-run"]).exit_code == 0
+    assert list(out.iterdir()) == [] and list(other.iterdir()) == []

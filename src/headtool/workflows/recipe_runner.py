@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
@@ -326,7 +328,8 @@ def validate_whole(recipe: Recipe, *, output: str | None = None, dry_run: bool =
     json_stdout: the run's summary goes to stdout (`run --json`), which a score document may not share."""
     nowhere = [] if dry_run else output_problems(recipe, output)
     validate(recipe, more=nowhere)
-    documents = [] if dry_run else document_problems(recipe) + (stdout_problems(recipe) if json_stdout else [])
+    documents = [] if dry_run else document_problems(recipe, output) + (
+        stdout_problems(recipe) if json_stdout else [])
     raise_problems(recipe, request_problems(recipe) + nowhere + documents)
     for line in unused_score_problems(recipe, at_end=True):
         warn(line)
@@ -340,11 +343,16 @@ def stdout_problems(recipe: Recipe) -> list[str]:
             for i, step in enumerate(recipe.steps) if step["step"] == "score" and step.get("output") == "-"]
 
 
-def document_problems(recipe: Recipe) -> list[str]:
+def document_problems(recipe: Recipe, output: str | None = None) -> list[str]:
     """A score step's document follows the rules of `headtool score -o` (io.files.check_output_path): never
     inside an input model folder nor over a file the run reads (the model, every step's data, the recipe),
-    in a folder that exists; found before the model loads, not when the scoring is done."""
-    from ..io.files import check_output_path
+    in a folder that exists; found before the model loads, not when the scoring is done. Nor inside the
+    run's output folder (`output`: -o, else the recipe's), which the final model replaces: the document was
+    deleted with an --overwrite, or made the folder one that is not a model's, refused after every step."""
+    from ..io.files import check_output_path, inside
+
+    folder = output or recipe.values.get("output")
+    folder = Path(os.path.expanduser(folder)).resolve() if isinstance(folder, str) and folder.strip() else None
 
     inputs = [recipe.values.get("model"), recipe.path]
     for step in recipe.steps:
@@ -360,11 +368,15 @@ def document_problems(recipe: Recipe) -> list[str]:
     for i, step in enumerate(recipe.steps):
         out = step.get("output") if step["step"] == "score" else None
         if isinstance(out, str) and out != "-":
+            where = f"{recipe.where(f'steps.{i}.output')}: steps.{i}.output"
+            if folder is not None and inside(Path(os.path.expanduser(out)).resolve(), folder):
+                problems.append(f"{where}: {out}: lies inside the recipe's output folder {folder}, which the final "
+                                "model replaces; write the document elsewhere")
+                continue
             try:
                 check_output_path(out, "output", inputs)
             except UsageError as e:
-                problems.append(f"{recipe.where(f'steps.{i}.output')}: steps.{i}.output: "
-                                f"{str(e).removeprefix('output ')}")
+                problems.append(f"{where}: {str(e).removeprefix('output ')}")
     return problems
 
 
