@@ -372,3 +372,18 @@ def test_a_step_refused_while_running_is_named_and_listed_heads_are_checked_befo
     line = " ".join(res.stderr.split("error: ", 1)[1].split())
     assert line.startswith(f"{recipe}:5:11: steps.1 (eval): "), res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prune_that_scores_the_heads_itself_names_its_data_in_the_summary(tmp_path):
+    """The summary's data column (and `run --json`'s row) named a prune's data only when it refit: a prune
+    that scored the heads on builtin:pydoc showed none, as if it had read no text."""
+    src = save_tiny("llama", tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\ndtype: float32\n"
+                      "data: {source: 'builtin:pydoc', seq_len: 16, batch_size: 2, max_samples: 2}\nsteps:\n"
+                      "  - prune: {num_heads: 2, method: gradient}\n  - prune: {num_heads: 2, method: magnitude}\n")
+    res = runner.invoke(app, ["run", str(recipe), "--dry-run", "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["steps"]
+    assert rows[1]["data"] == "builtin:pydoc" and "data" not in rows[2]
+    assert "prune │ builtin:pydoc" in res.stderr

@@ -186,6 +186,10 @@ def step_prune(ctx: Context, step: dict) -> dict[str, Any]:
     out = {"heads_removed": result.summary()["heads_removed"]}
     if result.allocation:
         out["normalize"] = result.allocation["normalize"]
+    # the heads were scored now with a data method (an objective), on this text (the data column was empty)
+    scored_on = done.score_info.get("data") if done.score_info.get("objective") else None
+    if done.score_info.get("from") == "data" and scored_on:
+        out["data"] = scored_on["source"]
     if result.compensation:
         out["refits_kept"] = sum(bool(c["kept"]) for c in result.compensation)
         out["data"] = done.data.source
