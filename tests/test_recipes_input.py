@@ -274,3 +274,12 @@ def test_a_score_document_inside_the_runs_output_folder_is_refused_up_front(tmp_
     assert runner.invoke(app, ["run", str(path), "--check", "-o", str(out)]).exit_code == 0
     assert runner.invoke(app, ["run", str(path), "--check", "--dry-run"]).exit_code == 0
     assert list(out.iterdir()) == [] and list(other.iterdir()) == []
+
+
+def test_two_score_steps_writing_one_file_is_a_located_problem(tmp_path):
+    """Two score steps with the same output: the second document replaced the first, which was lost."""
+    path = _write(tmp_path, f"model: {MODEL}\noutput: {tmp_path / 'out'}\nsteps:\n"
+                            f"  - score: {{method: magnitude, output: {tmp_path / 's.json'}}}\n  - prune: {{fraction: 0.3}}\n"
+                            f"  - score: {{method: gradient, output: {tmp_path}/./s.json}}\n")
+    _refused(runner.invoke(app, ["run", str(path), "--check"]), "1 problem(s)",
+             f"{path}:6:39: steps.2.output: {tmp_path}/./s.json: steps.0 writes its document there too")

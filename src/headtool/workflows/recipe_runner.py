@@ -369,11 +369,18 @@ def document_problems(recipe: Recipe, output: str | None = None) -> list[str]:
             if isinstance(source, str):
                 inputs += [part.source for part in parse_sources(source)]
     problems = []
+    written: dict[Path, int] = {}  # each document's file -> the step that writes it
     for i, step in enumerate(recipe.steps):
         out = step.get("output") if step["step"] == "score" else None
         if isinstance(out, str) and out != "-":
             where = f"{recipe.where(f'steps.{i}.output')}: steps.{i}.output"
-            if folder is not None and inside(Path(os.path.expanduser(out)).resolve(), folder):
+            real = Path(os.path.expanduser(out)).resolve()
+            if real in written:  # the later document replaced the earlier one, after it was computed
+                problems.append(f"{where}: {out}: steps.{written[real]} writes its document there too, and this "
+                                "one would replace it; give each score step its own file")
+                continue
+            written[real] = i
+            if folder is not None and inside(real, folder):
                 problems.append(f"{where}: {out}: lies inside the recipe's output folder {folder}, which the final "
                                 "model replaces; write the document elsewhere")
                 continue
