@@ -262,3 +262,15 @@ def test_an_override_of_a_whole_block_is_where_its_problems_are_and_fills_an_emp
     validate(r)
     assert r.values["data"] == {"seq_len": 16, "batch_size": 2}
     assert r.where("data.batch_size") == "--set data.batch_size"
+
+
+def test_an_override_with_a_list_is_the_list_as_in_the_file(tmp_path):
+    """`merge: [mean, fit]` in the file is a list of merges; `--set steps.0.merge=[mean,aligned]` was taken as
+    the text '[mean,aligned]' (the text typed, kept for scalars YAML 1.1 misreads) and refused."""
+    p = tmp_path / "r.yaml"
+    p.write_text("model: smollm2-135m\noutput: out\nsteps:\n  - convert_gqa: {kv_heads: 1, merge: [mean, fit]}\n")
+    r = load_recipe(p)
+    validate(r)
+    apply_overrides(r, ["steps.0.merge=[mean,aligned]", "steps.0.kv_heads=2"])
+    validate(r)
+    assert r.steps[0]["merge"] == ["mean", "aligned"] and r.steps[0]["kv_heads"] == 2

@@ -311,7 +311,8 @@ def _remember_written(recipe: Recipe, dotted: str, raw: str) -> None:
     """An override's text replaces what the file had there (`--set steps.1.heads=9:9` is text, not 549)."""
     for key in [k for k in recipe.written if k == dotted or k.startswith(dotted + ".")]:
         del recipe.written[key]
-    if _parse_scalar(raw) is not None and not isinstance(_parse_scalar(raw), str):
+    value = _parse_scalar(raw)
+    if value is not None and not isinstance(value, (str, list, dict)):  # a scalar (a list is no text typed)
         recipe.written[dotted] = raw.strip()
 
 
