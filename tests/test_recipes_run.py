@@ -387,3 +387,19 @@ def test_a_prune_that_scores_the_heads_itself_names_its_data_in_the_summary(tmp_
     rows = json.loads(res.stdout)["steps"]
     assert rows[1]["data"] == "builtin:pydoc" and "data" not in rows[2]
     assert "prune │ builtin:pydoc" in res.stderr
+
+
+def test_a_recipe_refused_at_a_later_step_leaves_no_score_document(tmp_path):
+    """A score step wrote its document when it ran: a later step refused (exit 2, no model written) left
+    that document behind, a file from a run that was refused."""
+    src = save_tiny("llama", tmp_path / "src")
+    (tmp_path / "short.txt").write_text("a few words only")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {src}\nsteps:\n  - score: {{method: magnitude, output: {tmp_path / 's.json'}}}\n"
+                      f"  - eval: {{data: {{source: {tmp_path / 'short.txt'}, seq_len: 64}}}}\n")
+    res = runner.invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 2, res.output
+    assert not (tmp_path / "s.json").exists()
+    recipe.write_text(f"model: {src}\nsteps:\n  - score: {{method: magnitude, output: {tmp_path / 's.json'}}}\n")
+    assert runner.invoke(app, ["run", str(recipe)]).exit_code == 0
+    assert json.loads((tmp_path / "s.json").read_text())["scores"]

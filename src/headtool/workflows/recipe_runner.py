@@ -76,6 +76,8 @@ class Context:
     num_heads_before: list[int] = dataclasses.field(default_factory=list)  # the recipe model's, per layer
     #: per layer, the recipe model's query head at each position of the model as it stands (None: unchanged)
     heads: list[list[int]] | None = None
+    #: the score steps' documents and their files, written when every step has run
+    documents: list[tuple[dict[str, Any], str]] = dataclasses.field(default_factory=list)
 
     def keep(self, positions: Sequence[Sequence[int]]) -> None:
         """A step kept (and ordered) these positions of each layer: the output's kept_heads name the heads
@@ -167,8 +169,8 @@ def step_score(ctx: Context, step: dict) -> dict[str, Any]:
     req = build_request(ctx.recipe, step)
     run = score_loaded(ctx.lm, req, ctx.text_model)
     ctx.scores = run.result
-    if req.output and not ctx.dry_run:
-        write_document(build_document(ctx.lm, run.result, run.batches_info), req.output)
+    if req.output and not ctx.dry_run:  # written once every step has run: a later refusal leaves nothing
+        ctx.documents.append((build_document(ctx.lm, run.result, run.batches_info), req.output))
     out = {"method": run.result.estimator, "objective": run.objective, "baseline_loss": run.result.baseline_loss,
            "heads": sum(g.num_heads for g in ctx.lm.geometry)}
     if run.batches_info:
@@ -487,4 +489,6 @@ def run_recipe(recipe: Recipe, *, output: str | None = None, overwrite: bool | N
         card = "Recipe:\n\n```yaml\n" + yaml.safe_dump(as_run, sort_keys=False) + "```\n"
         result["output"] = write_output(out, model=ctx.lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
                                         card_table=card, overwrite=ow, shard_size=v.get("shard_size", "5GB"))
+    for doc, path in ctx.documents:  # (after the model: a run that fails writes neither)
+        write_document(doc, path)
     return result
