@@ -35,6 +35,8 @@ REMOTE_CODE = "headtool-remote-code"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+# named chat templates beside the default one (transformers writes one NAME.jinja each: tool_use, rag, ...)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # auto classes whose mapping may name the saved model's class (most specific first)
 _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
                  "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForPreTraining",
@@ -105,7 +107,8 @@ def _auto_map(model) -> dict[str, str]:
 
 
 def _copy_inputs(source, tokenizer, folder: Path) -> list[str]:
-    """Tokenizer files and generation config of the input, copied as they are."""
+    """Tokenizer files (named chat templates included) and generation config of the input, copied as
+    they are."""
     src = _local_dir(getattr(source, "path", None))
     copied = []
     if src is not None:
@@ -113,6 +116,9 @@ def _copy_inputs(source, tokenizer, folder: Path) -> list[str]:
             if (src / name).is_file():
                 shutil.copy2(src / name, folder / name)
                 copied.append(name)
+        if (src / CHAT_TEMPLATE_DIR).is_dir():
+            shutil.copytree(src / CHAT_TEMPLATE_DIR, folder / CHAT_TEMPLATE_DIR)
+            copied.append(CHAT_TEMPLATE_DIR)
     if tokenizer is not None and not any(n in copied for n in TOKENIZER_FILES):
         tokenizer.save_pretrained(folder)
     return copied

@@ -1,0 +1,42 @@
+"""Loading a MODEL and writing an output folder as a demanding user meets them: what the folder carries
+from its input, how a failed write is told, and how a remote-code output survives transformers' own
+save/reload cycle (an audit found each of these broken)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from headtool.cli.app import app
+from tiny_models import save_tiny
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_with_named_templates(tmp_path_factory) -> Path:
+    """A tiny llama whose tokenizer has a default and a named ('tool_use') chat template."""
+    from transformers import AutoTokenizer
+
+    folder = save_tiny("llama", tmp_path_factory.mktemp("chat") / "m")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = {"default": "D {{ messages[0].content }}", "tool_use": "T {{ messages[0].content }}"}
+    tok.save_pretrained(folder)
+    assert (folder / "additional_chat_templates" / "tool_use.jinja").is_file()
+    return folder
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_named_chat_templates_are_copied_to_the_output(model_with_named_templates, tmp_path, streaming):
+    """transformers keeps a tokenizer's named chat templates (tool_use, rag, ...) in
+    additional_chat_templates/; only the default one was copied, so the pruned model's tokenizer
+    had lost its tool-use template."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["prune", str(model_with_named_templates), "--heads", "1:0", "--unit", "head",
+                            "-o", str(out), *(["--streaming"] if streaming else [])])
+    assert r.exit_code == 0, r.output
+    assert AutoTokenizer.from_pretrained(out).chat_template == \
+        AutoTokenizer.from_pretrained(model_with_named_templates).chat_template
