@@ -40,3 +40,24 @@ def test_named_chat_templates_are_copied_to_the_output(model_with_named_template
     assert r.exit_code == 0, r.output
     assert AutoTokenizer.from_pretrained(out).chat_template == \
         AutoTokenizer.from_pretrained(model_with_named_templates).chat_template
+
+
+def test_a_disk_full_while_writing_the_weights_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """safetensors reports a full disk as SafetensorError ('... No space left on device (os error 28)'):
+    the CLI told it as 'internal error: SafetensorError ... please report it' (a bug of headtool's, to a
+    user whose disk was full), where the same failure under --streaming said 'no space left on device'."""
+    import transformers.modeling_utils as mu
+    from safetensors import SafetensorError
+
+    model = save_tiny("llama", tmp_path / "m")
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(mu, "safe_save_file", full)
+    out = tmp_path / "outs" / "out"
+    r = runner.invoke(app, ["prune", str(model), "--heads", "1:0", "--unit", "head", "-o", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "no space left on device" in r.stderr and "internal error" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert list((tmp_path / "outs").iterdir()) == []

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -86,6 +87,24 @@ def probe_writable(folder: Path, what: str) -> None:
     except OSError as e:
         reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM) else (e.strerror or str(e))
         raise UsageError(f"{what}: cannot write into {folder} ({reason})") from None
+
+
+@contextlib.contextmanager
+def safetensors_os_errors(where: str | os.PathLike | None = None):
+    """A write that safetensors failed for the machine's reason (disk full, quota, read-only) raised as the
+    OSError it is (its errno named, `where` as the file), which the CLI tells in one line: safetensors
+    reports it as a SafetensorError ('Error while serializing: I/O error: ... (os error 28)'), which read
+    as an internal error to report."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))),
+                      None if where is None else str(where)) from e
 
 
 def default_mode(folder: bool = False) -> int:

@@ -24,7 +24,7 @@ from ..errors import HeadtoolError, UsageError
 from ..templates import modeling_file_source
 from ..templates.modeling_headtool_mla import MLA_KEY
 from ..version import __version__
-from .files import converted_from, inside, open_up, probe_writable
+from .files import converted_from, inside, open_up, probe_writable, safetensors_os_errors
 from .provenance import ORIGINAL_KEPT, ORIGINAL_SOURCE, RECORD, card_lines
 from .sizes import parse_size
 
@@ -272,7 +272,8 @@ def write_output(out: str | os.PathLike, *, model, tokenizer, source, meta: dict
 
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; no tqdm bars
     with temp_folder(target) as tmp:
-        model.save_pretrained(tmp, max_shard_size=shard_bytes)
+        with safetensors_os_errors(target.parent):
+            model.save_pretrained(tmp, max_shard_size=shard_bytes)
         return finish_folder(tmp, target, model=model, source=source, tokenizer=tokenizer, meta=meta,
                              card_table=card_table, kind=output_kind(model))
 

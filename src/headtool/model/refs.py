@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..console import info
 from ..errors import UsageError
-from ..io.files import CONVERTED_FROM
+from ..io.files import CONVERTED_FROM, safetensors_os_errors
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        plain.save_pretrained(tmp)
+        with safetensors_os_errors(target.parent):
+            plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / CONVERTED_FROM).write_text(json.dumps({"gguf": str(gguf_path.resolve())}))
         try:
