@@ -61,3 +61,26 @@ def test_a_disk_full_while_writing_the_weights_is_one_line_and_leaves_nothing(tm
     assert "no space left on device" in r.stderr and "internal error" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert list((tmp_path / "outs").iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["prune", "--heads", "1:0", "--unit", "head"],
+                                     ["convert-mla", "--kv-rank", "6", "--rope-dim", "4", "--no-refit",
+                                      "--data", "builtin:pydoc", "--max-samples", "2", "--seq-len", "16"]])
+def test_a_remote_code_output_reloaded_and_saved_again_reloads(tmp_path, command):
+    """A remote-code folder loaded with trust_remote_code=True and saved again (after fine-tuning, before
+    pushing) got auto_map 'modeling_headtool.LlamaForCausalLM': transformers names the class it saves,
+    whose name is the family's, and the modeling file exported it only as HeadtoolLlamaForCausalLM, so
+    the saved copy failed to load ('has no attribute LlamaForCausalLM')."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    r = runner.invoke(app, [command[0], str(src), *command[1:], "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    model.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", trust_remote_code=True)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, again(ids).logits)
