@@ -84,3 +84,18 @@ def test_a_remote_code_output_reloaded_and_saved_again_reloads(tmp_path, command
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, again(ids).logits)
+
+
+@pytest.mark.parametrize("args", [["info"], ["prune", "--heads", "0:0", "--streaming", "-o", "never"]])
+def test_a_mistyped_packaged_name_is_pointed_at_the_packaged_model(args):
+    """'smollm2-13m' (or 'SmolLM2-135M') was taken for a hub id and answered 'the hub is offline; download
+    it first or give a local path': advice for a model that does not exist, the typo never named."""
+    for typo, meant in (("smollm2-13m", "smollm2-135m"), ("SmolLM2-135M", "smollm2-135m"),
+                        ("all-minilm-l6", "all-minilm-l6-v2")):
+        r = runner.invoke(app, [args[0], typo, *args[1:]])
+        assert r.exit_code == 2, r.output
+        assert f"did you mean the packaged model {meant}?" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = runner.invoke(app, [args[0], "gpt2-xl", *args[1:]])  # a hub id like any other: no guess
+    assert r.exit_code == 2 and "did you mean" not in r.stderr, r.output
+    assert not Path("never").exists()

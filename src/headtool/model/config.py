@@ -10,7 +10,7 @@ from typing import Mapping
 from ..arch import LAYOUT_KEY, RESIZE_SPEC_KEY, adapter_for
 from ..errors import UsageError
 from .latent import MLA_KEY
-from .refs import _offline
+from .refs import _offline, packaged_hint
 
 
 def quantization_method(config) -> str | None:
@@ -39,7 +39,7 @@ def load_config(path: str, source: str, trust_remote_code: bool = False):
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
     if source == "hub" and _offline():
         raise UsageError(f"model {path!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
-                         f"download it first or give a local path")
+                         f"download it first or give a local path{packaged_hint(path)}")
     local = Path(path) / "config.json"
     if local.exists():
         try:
@@ -66,7 +66,7 @@ def load_config(path: str, source: str, trust_remote_code: bool = False):
     except OSError as e:
         if source == "hub":
             raise UsageError(f"could not load {path!r} from the hub (offline or not found): "
-                             f"{str(e).splitlines()[0]}") from e
+                             f"{str(e).splitlines()[0]}{packaged_hint(path)}") from e
         raise UsageError(f"{path}: cannot read the config: {str(e).splitlines()[0]}") from e
 
 

@@ -3,6 +3,7 @@ and hub ids, resolved to a local folder or a hub id."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import io
@@ -153,6 +154,15 @@ def resolve_ref(ref: str) -> tuple[str, str]:
     if _looks_like_path(ref):
         raise UsageError(f"model not found: {ref} (no such file or folder)")
     return ref, "hub"
+
+
+def packaged_hint(ref: str) -> str:
+    """'; did you mean the packaged model NAME?' for a hub id that looks like a mistyped packaged name
+    (smollm2-13m, SmolLM2-135M), else ''."""
+    if "/" in ref:
+        return ""
+    close = difflib.get_close_matches(ref.lower(), list(PACKAGED), n=1, cutoff=0.7)
+    return f"; did you mean the packaged model {close[0]}?" if close else ""
 
 
 def _offline() -> bool:

@@ -23,7 +23,7 @@ from ..io.sizes import parse_size
 from ..model.classes import auto_class, model_class, pick_task
 from ..model.config import load_config, refuse_quantized
 from ..model.fingerprint import checkpoint_fingerprint
-from ..model.refs import resolve_ref
+from ..model.refs import packaged_hint, resolve_ref
 from ..model.resize import resize_attention, resized_class
 from .merging import check_target, contiguous_plans, mean_layer_tensors
 
@@ -93,7 +93,8 @@ def open_checkpoint(ref: str, trust_remote_code: bool = False, dtype: torch.dtyp
     dtype: what --dtype names, None for auto (tensors copied as stored)."""
     path, source = resolve_ref(ref)
     if source == "hub":
-        raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}")
+        raise UsageError(f"--streaming needs a local folder with safetensors weights, not the hub id {ref!r}"
+                         + packaged_hint(ref))
     config = load_config(path, source, trust_remote_code)
     adapter = adapter_for(config)
     refuse_quantized(config, ref, "streaming surgery")
