@@ -99,3 +99,20 @@ def test_a_mistyped_packaged_name_is_pointed_at_the_packaged_model(args):
     r = runner.invoke(app, [args[0], "gpt2-xl", *args[1:]])  # a hub id like any other: no guess
     assert r.exit_code == 2 and "did you mean" not in r.stderr, r.output
     assert not Path("never").exists()
+
+
+def test_the_card_of_a_remote_code_folder_says_what_happens_without_trust_remote_code(tmp_path):
+    """Loaded without trust_remote_code=True, such a folder builds the family's stock class, and
+    transformers stops on a size mismatch whose report points at ignore_mismatched_sizes, which loads
+    a model with random attention; the card (and the docs, which claimed transformers refuses the code)
+    did not say so."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["prune", str(save_tiny("llama", tmp_path / "src")), "--heads", "1:0", "--unit", "head",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    with pytest.raises(RuntimeError, match="mismatch"):
+        AutoModelForCausalLM.from_pretrained(out)
+    card = " ".join((out / "README.md").read_text().split())
+    assert "stops on a size mismatch" in card and "never pass `ignore_mismatched_sizes=True`" in card

@@ -153,7 +153,9 @@ def model_card(meta: dict, kind: str, card_table: str, auto_name: str) -> str:
            "every runtime that reads this family." if kind == STANDARD else
            f"The heads per layer differ from what the family's standard config can express, so the "
            f"config carries a per-layer table (`{LAYOUT_KEY}`) and `{MODELING_FILE}` builds the model "
-           "(it needs only torch and transformers): load with `trust_remote_code=True`.")
+           "(it needs only torch and transformers): load with `trust_remote_code=True`. Without it transformers "
+           "builds the family's stock class, which stops on a size mismatch: never pass "
+           "`ignore_mismatched_sizes=True`, which would re-initialise the resized projections at random.")
     if op == "convert-mla" or meta.get("kv_rank") is not None:  # also a recipe with a convert_mla step
         rotary = meta.get("rope_dim") != 0
         holds = ("one latent vector and one shared rotary key" if rotary else
