@@ -428,7 +428,7 @@ def test_prune_records_each_layers_anchor_in_the_summary_and_the_table():
     assert [r["layer"] for r in comp] == [0, 2]
     for r in comp:
         assert r["anchor"] in (0.0, 1.0, None) and set(r["heldout_rel_errors"]) == {"0", "1", "inf"}
-    table = markdown_table(result, "standard")
+    table = markdown_table(result)
     assert "| layer | anchor | calibration error | held-out error | refit |" in table
     json.dumps(result.summary(), allow_nan=False)  # headtool.json stays strict JSON (no inf anywhere)
     with pytest.raises(UsageError):

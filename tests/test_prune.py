@@ -58,7 +58,7 @@ def outputs(tmp_path_factory):
             folder = root / f"{family}-{case}"
             w = write_output(folder, model=lm.model, tokenizer=lm.tokenizer, source=lm,
                              meta={"operation": "prune", "kept_heads": [list(k) for k in sel.kept]},
-                             card_table=markdown_table(result, "?"))
+                             card_table=markdown_table(result))
             torch.save({"ids": ids, "ref": ref}, root / f"{family}-{case}.pt")
             out[(family, case)] = {"folder": folder, "ids": ids, "ref": ref, "kind": w["config_kind"],
                                    "geo": result.geometry_after, "in_memory": logits_of(lm.model, ids)}

@@ -182,3 +182,12 @@ def test_a_streamed_sharded_index_says_what_an_in_memory_one_says(llama_src, tmp
         assert _prune(llama_src, "--heads", "1:0,1", "--shard-size", "20KB", *mode, "-o", out).exit_code == 0
     mem, streamed = (json.loads((tmp_path / n / "model.safetensors.index.json").read_text()) for n in ("mem", "str"))
     assert streamed == mem and mem["metadata"]["total_parameters"] > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--streaming"]])
+def test_the_card_names_the_config_kind_once(llama_src, tmp_path, mode):
+    """A prune's model card said 'Config kind: ...' in its header and again under its summary table."""
+    out = tmp_path / "o"
+    assert _prune(llama_src, "--heads", "1:0", "--unit", "head", *mode, "-o", out).exit_code == 0
+    card = (out / "README.md").read_text()
+    assert card.count("Config kind") == 1 and "Config kind: **headtool-remote-code**" in card, card

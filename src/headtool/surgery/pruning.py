@@ -267,8 +267,8 @@ def _count(n: int | None) -> str:
     return "n/a" if n is None else f"{n:,}"  # None: an encoder keeps no KV cache
 
 
-def markdown_table(result: PruneResult, config_kind: str) -> str:
-    """The summary as markdown (the model card's table)."""
+def markdown_table(result: PruneResult) -> str:
+    """The summary as markdown (the model card's table; the card's header gives the config kind)."""
     lines = ["| layer | query heads | KV heads | removed (original indices) |", "|---:|---:|---:|---|"]
     for r in result.layers():
         lines.append(f"| {r['layer']} | {r['heads_before']} → {r['heads_after']} | "
@@ -290,5 +290,4 @@ def markdown_table(result: PruneResult, config_kind: str) -> str:
                   refit_table(result.compensation)]
     if result.allocation_line():
         lines += ["", f"Layer allocation: {result.allocation_line()}."]
-    lines += ["", f"Config kind: {config_kind}."]
     return "\n".join(lines)

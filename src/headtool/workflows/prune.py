@@ -104,7 +104,7 @@ def run_prune(req: PruneRequest) -> PruneRun:
     written = None
     if not req.dry_run:
         written = write_output(req.output, model=lm.model, tokenizer=lm.tokenizer, source=lm, meta=meta,
-                               card_table=markdown_table(result, kind), overwrite=req.overwrite,
+                               card_table=markdown_table(result), overwrite=req.overwrite,
                                shard_size=req.shard_size)
         kind = written["config_kind"]
     report = {"model": req.model, "output": written, "dry_run": req.dry_run, "config_kind": kind,
@@ -161,7 +161,7 @@ def _run_streaming(req: PruneRequest) -> PruneRun:
     kept = [list(k) for k in selection.kept]
     written = stream_prune(ck, kept, req.output, meta=meta, overwrite=req.overwrite, shard_size=req.shard_size,
                            uneven=unit == "head",
-                           card_table=lambda after, kind: markdown_table(result(after), kind))
+                           card_table=lambda after, kind: markdown_table(result(after)))
     return PruneRun(streamed={**written, "kept_heads": kept})
 
 
